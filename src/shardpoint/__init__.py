@@ -1,0 +1,48 @@
+"""shardpoint: sharded, verified, resumable checkpoints for PyTorch training.
+
+>>> import torch, shardpoint
+>>> shardpoint.save({"w": torch.ones(2), "step": 7}, "/tmp/ckpt")     # doctest: +SKIP
+>>> shardpoint.load(state, "/tmp/ckpt")                               # doctest: +SKIP
+"""
+
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: E402
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StateMismatchError,
+    UnsupportedValueError,
+)
+from .loading import load  # noqa: E402
+from .reader import CheckpointReader, TensorSlice  # noqa: E402
+from .saving import SaveInfo, save  # noqa: E402
+from .tree import Stateful  # noqa: E402
+from .verify import FileReport, VerifyReport, verify  # noqa: E402
+
+
+def open(path: str) -> CheckpointReader:  # noqa: A001 - the contract name is `shardpoint.open`
+    """Open a committed checkpoint for lazy reads; use it as a context manager."""
+    return CheckpointReader(path)
+
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointReader",
+    "CorruptCheckpointError",
+    "FileReport",
+    "IncompleteCheckpointError",
+    "SaveInfo",
+    "StateMismatchError",
+    "Stateful",
+    "TensorSlice",
+    "UnsupportedValueError",
+    "VerifyReport",
+    "__version__",
+    "load",
+    "open",
+    "save",
+    "verify",
+]

@@ -1,0 +1,1 @@
+"""Byte layouts: safetensors shard files and the checkpoint index."""

@@ -1,0 +1,273 @@
+"""The checkpoint index (``index.json``), the commit marker, and chunk checksums.
+
+``docs/format.md`` is the specification; this module is its only implementation.
+Parsing is strict: anything the index claims is checked for type and range, and
+file names must be plain names inside the checkpoint directory, before any shard
+byte is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from .. import tree as tree_codec
+from ..errors import CorruptCheckpointError
+from .safetensors import DTYPES, itemsize
+
+FORMAT_NAME = "shardpoint"
+FORMAT_VERSION = 1
+INDEX_NAME = "index.json"
+MARKER_NAME = "COMMITTED"
+CHECKSUM_ALGORITHM = "xxh3-64"
+# A shard file name is a plain name: no separators, no "..", nothing absolute.
+_FILE_NAME = re.compile(r"^(?!\.)[A-Za-z0-9._-]{1,200}$")
+_CHECKSUM = re.compile(r"^[0-9a-f]{16}$")
+
+
+def checksum(data: Any) -> str:
+    """xxh3-64 of a bytes-like object, as 16 lowercase hex digits."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a tensor: where it sits in the tensor and in its file."""
+
+    file: str
+    key: str  # the tensor name inside the safetensors file
+    offsets: tuple[int, ...]  # position of the chunk inside the global tensor
+    shape: tuple[int, ...]
+    begin: int  # absolute byte range inside ``file``
+    end: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass
+class Index:
+    files: dict[str, int]  # shard file name -> size in bytes
+    entries: dict[str, TensorEntry]
+    aliases: dict[str, str]  # entry name -> the entry it shares storage with
+    tree: Any
+    created: str
+    library_version: str
+    world_size: int = 1
+    metadata: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def resolve(self, name: str) -> TensorEntry:
+        return self.entries[self.aliases.get(name, name)]
+
+    def names(self) -> list[str]:
+        """Every tensor entry name, aliases included, in state order."""
+        return tree_codec.tensor_names(self.tree)
+
+    def to_json(self) -> bytes:
+        tensors: dict[str, Any] = {}
+        for name in self.names():
+            if name in self.aliases:
+                tensors[name] = {"alias_of": self.aliases[name]}
+                continue
+            e = self.entries[name]
+            tensors[name] = {
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "chunks": [
+                    {
+                        "file": c.file,
+                        "key": c.key,
+                        "offsets": list(c.offsets),
+                        "shape": list(c.shape),
+                        "byte_range": [c.begin, c.end],
+                        "checksum": c.checksum,
+                    }
+                    for c in e.chunks
+                ],
+            }
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "library_version": self.library_version,
+            "created": self.created,
+            "checksum_algorithm": CHECKSUM_ALGORITHM,
+            "world_size": self.world_size,
+            "files": {name: {"size": size} for name, size in self.files.items()},
+            "tensors": tensors,
+            "tree": self.tree,
+            "metadata": self.metadata,
+        }
+        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def check_file_name(name: object, where: str) -> str:
+    if not isinstance(name, str) or not _FILE_NAME.match(name):
+        raise CorruptCheckpointError(
+            f"{where}: refusing file name {name!r}: shard files must be plain names inside "
+            "the checkpoint directory (no '/', no '..', not absolute)"
+        )
+    return name
+
+
+def _ints(value: object, what: str, where: str, *, length: int | None = None) -> tuple[int, ...]:
+    if (
+        not isinstance(value, list)
+        or not all(type(v) is int and v >= 0 for v in value)
+        or (length is not None and len(value) != length)
+    ):
+        raise CorruptCheckpointError(f"{where}: {what} must be a list of non-negative ints, got {value!r}")
+    return tuple(value)
+
+
+def parse_index(raw: bytes, where: str) -> Index:
+    """Strictly parse and cross-check an index; raises CorruptCheckpointError naming ``where``."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{where}: not valid UTF-8 JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: not a shardpoint index (missing \"format\": \"shardpoint\")")
+    version = doc.get("format_version")
+    if type(version) is not int or version > FORMAT_VERSION or version < 1:
+        raise CorruptCheckpointError(
+            f"{where}: format_version {version!r} is not supported by this shardpoint "
+            f"(reads up to {FORMAT_VERSION}); upgrade shardpoint to read it"
+        )
+    if doc.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
+        raise CorruptCheckpointError(f"{where}: unknown checksum_algorithm {doc.get('checksum_algorithm')!r}")
+    try:
+        return _parse_fields(doc, where)
+    except CorruptCheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{where}: malformed index ({type(exc).__name__}: {exc})") from None
+
+
+def _parse_fields(doc: dict[str, Any], where: str) -> Index:
+    files: dict[str, int] = {}
+    for name, info in doc["files"].items():
+        check_file_name(name, where)
+        files[name] = _ints([info["size"]], f"size of {name}", where)[0]
+
+    entries: dict[str, TensorEntry] = {}
+    aliases: dict[str, str] = {}
+    for name, spec in doc["tensors"].items():
+        if set(spec) == {"alias_of"}:
+            aliases[name] = spec["alias_of"]
+            continue
+        dtype = spec["dtype"]
+        if dtype not in DTYPES:
+            raise CorruptCheckpointError(f"{where}: entry {name!r} has unknown dtype {dtype!r}")
+        shape = _ints(spec["shape"], f"shape of {name!r}", where)
+        chunks = tuple(_parse_chunk(c, name, dtype, shape, files, where) for c in spec["chunks"])
+        _check_cover(name, shape, chunks, where)
+        entries[name] = TensorEntry(name, dtype, shape, chunks)
+    for name, target in aliases.items():
+        if target not in entries:
+            raise CorruptCheckpointError(f"{where}: alias {name!r} points at missing entry {target!r}")
+
+    tree = doc["tree"]
+    try:
+        referenced = tree_codec.tensor_names(tree)
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        raise CorruptCheckpointError(f"{where}: malformed state tree ({exc})") from None
+    known = set(entries) | set(aliases)
+    unknown = [n for n in referenced if n not in known]
+    if unknown or len(referenced) != len(known):
+        raise CorruptCheckpointError(
+            f"{where}: state tree and tensor table disagree (e.g. {(unknown or sorted(known - set(referenced)))[:3]})"
+        )
+    world_size = doc.get("world_size", 1)
+    metadata = doc.get("metadata", {})
+    if type(world_size) is not int or world_size < 1 or not isinstance(metadata, dict):
+        raise CorruptCheckpointError(f"{where}: invalid world_size or metadata")
+    return Index(
+        files=files,
+        entries=entries,
+        aliases=aliases,
+        tree=tree,
+        created=str(doc["created"]),
+        library_version=str(doc["library_version"]),
+        world_size=world_size,
+        metadata=metadata,
+        format_version=doc["format_version"],
+    )
+
+
+def _parse_chunk(
+    spec: dict[str, Any],
+    name: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    files: dict[str, int],
+    where: str,
+) -> Chunk:
+    file = check_file_name(spec["file"], where)
+    if file not in files:
+        raise CorruptCheckpointError(f"{where}: entry {name!r} names file {file!r} not listed in files")
+    offsets = _ints(spec["offsets"], f"offsets of {name!r}", where, length=len(shape))
+    cshape = _ints(spec["shape"], f"chunk shape of {name!r}", where, length=len(shape))
+    begin, end = _ints(spec["byte_range"], f"byte_range of {name!r}", where, length=2)
+    if any(o + s > d for o, s, d in zip(offsets, cshape, shape)):
+        raise CorruptCheckpointError(f"{where}: a chunk of {name!r} lies outside its shape {list(shape)}")
+    if end - begin != math.prod(cshape) * itemsize(dtype) or end > files[file]:
+        raise CorruptCheckpointError(
+            f"{where}: chunk of {name!r} has byte_range [{begin}, {end}] inconsistent with its "
+            f"shape or with the size of {file}"
+        )
+    digest = spec["checksum"]
+    if not isinstance(digest, str) or not _CHECKSUM.match(digest):
+        raise CorruptCheckpointError(f"{where}: chunk of {name!r} has a malformed checksum {digest!r}")
+    key = spec["key"]
+    if not isinstance(key, str):
+        raise CorruptCheckpointError(f"{where}: chunk of {name!r} has a non-string key")
+    return Chunk(file, key, offsets, cshape, begin, end, digest)
+
+
+def _check_cover(name: str, shape: tuple[int, ...], chunks: tuple[Chunk, ...], where: str) -> None:
+    """The chunks must tile the tensor exactly: volumes add up and no two overlap."""
+    if sum(math.prod(c.shape) for c in chunks) != math.prod(shape):
+        raise CorruptCheckpointError(f"{where}: the chunks of {name!r} do not cover its shape {list(shape)}")
+    if len(chunks) > 1:
+        nonempty = [c for c in chunks if math.prod(c.shape)]
+        for i, a in enumerate(nonempty):
+            for b in nonempty[i + 1 :]:
+                if all(
+                    ao < bo + bs and bo < ao + as_
+                    for ao, as_, bo, bs in zip(a.offsets, a.shape, b.offsets, b.shape)
+                ):
+                    raise CorruptCheckpointError(f"{where}: two chunks of {name!r} overlap")
+
+
+def marker_json(index_bytes: bytes) -> bytes:
+    return json.dumps({"format": FORMAT_NAME, "index_checksum": checksum(index_bytes)}).encode()
+
+
+def check_marker(marker: bytes, index_bytes: bytes, where: str) -> None:
+    """The marker records the checksum of the index it committed; a swapped index fails here."""
+    try:
+        doc = json.loads(marker.decode("utf-8"))
+        recorded = doc["index_checksum"]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise CorruptCheckpointError(f"{where}: unreadable commit marker {MARKER_NAME}") from None
+    if recorded != checksum(index_bytes):
+        raise CorruptCheckpointError(
+            f"{where}: {INDEX_NAME} does not match the index that was committed (it was replaced "
+            "or damaged after commit); restore it from a copy or use an earlier checkpoint"
+        )

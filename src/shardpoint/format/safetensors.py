@@ -1,0 +1,205 @@
+"""The safetensors byte layout: building a header and strictly parsing one.
+
+Layout (public safetensors specification): an unsigned 64-bit little-endian header
+length N, then N bytes of UTF-8 JSON (starting with ``{``, padded with spaces so the
+data starts 8-byte aligned), then the tensor bytes back to back. Each JSON entry is
+``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to the data start; the
+optional ``__metadata__`` entry maps strings to strings. The tensors must cover the
+data section exactly, without gaps or overlaps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CorruptCheckpointError
+
+# safetensors dtype name -> torch dtype, for every dtype both libraries share.
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+METADATA_KEY = "__metadata__"
+# Same bound as the reference implementation: a larger header is refused before any
+# allocation, so a hostile length field cannot make us read or allocate gigabytes.
+MAX_HEADER_BYTES = 100_000_000
+ALIGNMENT = 8
+_LEN = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor lives in a safetensors file; offsets are relative to the data start."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    slots: dict[str, TensorSlot]
+    metadata: dict[str, str]
+    data_start: int  # absolute file offset of the first tensor byte
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(
+            f"dtype {dtype} has no safetensors name; supported: {sorted(DTYPES)}"
+        ) from None
+
+
+def itemsize(dtype: str) -> int:
+    return DTYPES[dtype].itemsize
+
+
+def encode_header(slots: dict[str, TensorSlot], metadata: dict[str, str] | None) -> bytes:
+    """The length prefix plus padded JSON header for ``slots`` (in the given order)."""
+    doc: dict[str, object] = {}
+    if metadata:
+        doc[METADATA_KEY] = metadata
+    for name, slot in slots.items():
+        doc[name] = {
+            "dtype": slot.dtype,
+            "shape": list(slot.shape),
+            "data_offsets": [slot.begin, slot.end],
+        }
+    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % ALIGNMENT)
+    return _LEN.pack(len(raw)) + raw
+
+
+def layout(shapes: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, TensorSlot]:
+    """Back-to-back slots for ``(name, dtype, shape)`` in the given order."""
+    slots: dict[str, TensorSlot] = {}
+    pos = 0
+    for name, dtype, shape in shapes:
+        size = math.prod(shape) * itemsize(dtype)
+        slots[name] = TensorSlot(dtype, tuple(shape), pos, pos + size)
+        pos += size
+    return slots
+
+
+def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int  # bool is an int subclass and is not a valid size
+
+
+def header_length(prefix: bytes, file_size: int, where: str) -> int:
+    """Validate the 8-byte length prefix against the file size; returns N."""
+    if len(prefix) < 8 or file_size < 8:
+        raise CorruptCheckpointError(f"{where}: file is shorter than the 8-byte safetensors header length")
+    (n,) = _LEN.unpack(prefix[:8])
+    if n > MAX_HEADER_BYTES:
+        raise CorruptCheckpointError(
+            f"{where}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit; the file is corrupt"
+        )
+    if 8 + n > file_size:
+        raise CorruptCheckpointError(
+            f"{where}: header length {n} runs past the end of the {file_size}-byte file (truncated?)"
+        )
+    return n
+
+
+def parse_header(header: bytes, file_size: int, where: str) -> Header:
+    """Strictly parse ``header`` (the N JSON bytes) of a file of ``file_size`` bytes.
+
+    Raises CorruptCheckpointError naming ``where`` for anything the spec forbids.
+    """
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: invalid safetensors header: {why}")
+
+    try:
+        text = header.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad(f"not UTF-8 ({exc})") from None
+    if not text.startswith("{"):
+        raise bad("does not start with '{'")
+    try:
+        doc = json.loads(text, object_pairs_hook=_reject_duplicates)
+    except (ValueError, RecursionError) as exc:
+        raise bad(f"not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise bad("top level is not a JSON object")
+
+    metadata = doc.pop(METADATA_KEY, {})
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise bad("__metadata__ must map strings to strings")
+
+    data_start = 8 + len(header)
+    data_len = file_size - data_start
+    slots: dict[str, TensorSlot] = {}
+    for name, entry in doc.items():
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad(f"tensor name {name!r} is not valid UTF-8") from None
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise bad(f"entry {name!r} must have exactly dtype, shape and data_offsets")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in DTYPES:
+            raise bad(f"entry {name!r} has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise bad(f"entry {name!r} has an invalid shape {shape!r}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_int(o) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_len
+        ):
+            raise bad(f"entry {name!r} has data_offsets {offsets!r} outside the {data_len}-byte data")
+        expected = math.prod(shape) * itemsize(dtype)
+        if offsets[1] - offsets[0] != expected:
+            raise bad(
+                f"entry {name!r} spans {offsets[1] - offsets[0]} bytes but {dtype}{shape} needs {expected}"
+            )
+        slots[name] = TensorSlot(dtype, tuple(shape), offsets[0], offsets[1])
+
+    pos = 0
+    for name, slot in sorted(slots.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if slot.begin != pos:
+            kind = "overlaps the previous tensor" if slot.begin < pos else "leaves a gap"
+            raise bad(f"entry {name!r} at byte {slot.begin} {kind} (expected {pos})")
+        pos = slot.end
+    if pos != data_len:
+        raise bad(f"tensors cover {pos} bytes but the data section has {data_len}")
+    return Header(slots, metadata, data_start)

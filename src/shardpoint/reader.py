@@ -1,0 +1,183 @@
+"""``shardpoint.open``: a lazy reader that reads only the tensors (or rows) asked for."""
+
+from __future__ import annotations
+
+import math
+import os
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from .checkpoint_dir import open_committed
+from .format.index import Chunk, TensorEntry
+from .format.safetensors import DTYPES, itemsize
+from .loading import ReadPlan
+from .storage.local import Segment
+from .tree import decode
+
+
+class CheckpointReader:
+    """Read entries of a committed checkpoint one at a time.
+
+    >>> import shardpoint
+    >>> with shardpoint.open("/tmp/sp-doc/ckpt") as ckpt:
+    ...     ckpt.keys(), ckpt.get("w").tolist(), ckpt.get_slice("w")[1:].tolist()
+    (['w'], [1.0, 1.0], [1.0])
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._ckpt = open_committed(path)
+        self.path = self._ckpt.storage.root
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        index = self._ckpt.index
+        return {
+            "format_version": index.format_version,
+            "library_version": index.library_version,
+            "created": index.created,
+            "world_size": index.world_size,
+            "files": dict(index.files),
+            "user": dict(index.metadata),
+        }
+
+    def keys(self) -> list[str]:
+        """Tensor entry names in state order (tied tensors appear under each name)."""
+        return self._ckpt.index.names()
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (
+            name in self._ckpt.index.entries or name in self._ckpt.index.aliases
+        )
+
+    def entry(self, name: str) -> TensorEntry:
+        """Where and how ``name`` is stored (dtype, global shape, chunks)."""
+        self._require(name)
+        return self._ckpt.index.resolve(name)
+
+    def alias_of(self, name: str) -> str | None:
+        return self._ckpt.index.aliases.get(name)
+
+    def get(self, name: str, *, verify: bool = True) -> torch.Tensor:
+        """The whole tensor ``name``, read and checksum-verified; other entries are not read."""
+        self._require(name)
+        plan = ReadPlan(self._ckpt)
+        tensor = plan.fresh(name)
+        plan.run(threads=1, verify=verify, direct=False)
+        return tensor
+
+    def get_slice(self, name: str) -> TensorSlice:
+        """A handle whose ``[...]`` reads only the rows that the index touches."""
+        return TensorSlice(self, self.entry(name))
+
+    def state(self, *, tensors: bool = True) -> Any:
+        """The whole saved state as Python values; with ``tensors=False`` each tensor is
+        replaced by its ``TensorEntry`` and nothing but the index is read."""
+        if tensors:
+            return decode(self._ckpt.index.tree, self.get)
+        return decode(self._ckpt.index.tree, self.entry)
+
+    def _read_rows(self, entry: TensorEntry, chunk: Chunk, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of ``chunk`` (along dim 0); the only bytes read are theirs."""
+        self._ckpt.header(chunk.file)
+        dtype = DTYPES[entry.dtype]
+        if not chunk.shape:
+            lo, hi, row_shape = 0, 1, ()
+        else:
+            row_shape = chunk.shape[1:]
+        out = torch.empty((hi - lo, *row_shape), dtype=dtype)
+        row_bytes = math.prod(row_shape) * itemsize(entry.dtype)
+        if out.numel():
+            flat = out.reshape(-1).view(torch.uint8)
+            self._ckpt.storage.read_ranges(
+                {chunk.file: [Segment(chunk.begin + lo * row_bytes, flat)]}, threads=1, direct=False
+            )
+        return out.reshape(chunk.shape) if not chunk.shape else out
+
+    def _require(self, name: str) -> None:
+        if name not in self:
+            raise KeyError(f"{self.path}: no tensor entry {name!r}; see .keys()")
+
+    def close(self) -> None:
+        """Nothing is held open between reads; kept for the context-manager protocol."""
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class TensorSlice:
+    """Lazy view of one entry: ``shape``, ``dtype`` and ``[index]`` (ints, slices, ``...``)."""
+
+    def __init__(self, reader: CheckpointReader, entry: TensorEntry) -> None:
+        self._reader = reader
+        self._entry = entry
+        self.shape = entry.shape
+        self.dtype = DTYPES[entry.dtype]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        box, post = _bounding_box(index, self.shape)
+        out = torch.empty([hi - lo for lo, hi in box], dtype=self.dtype)
+        for chunk in self._entry.chunks:
+            inter = [
+                (max(lo, o), min(hi, o + s))
+                for (lo, hi), o, s in zip(box, chunk.offsets, chunk.shape)
+            ]
+            if any(a >= b for a, b in inter):
+                continue
+            if not inter:  # a 0-d tensor
+                return self._reader._read_rows(self._entry, chunk, 0, 1)
+            (r0, r1) = inter[0]
+            rows = self._reader._read_rows(
+                self._entry, chunk, r0 - chunk.offsets[0], r1 - chunk.offsets[0]
+            )
+            src = rows
+            dst = out
+            for dim, ((a, b), o) in enumerate(zip(inter, chunk.offsets)):
+                if dim:
+                    src = src.narrow(dim, a - o, b - a)
+                dst = dst.narrow(dim, a - box[dim][0], b - a)
+            dst.copy_(src)
+        return out[post]
+
+
+def _bounding_box(
+    index: Any, shape: tuple[int, ...]
+) -> tuple[list[tuple[int, int]], tuple[Any, ...]]:
+    """Per-dimension [lo, hi) covering ``index``, and the index to apply inside that box."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    if any(i is Ellipsis for i in index):
+        at = index.index(Ellipsis)
+        fill = len(shape) - (len(index) - 1)
+        index = index[:at] + (slice(None),) * fill + index[at + 1 :]
+    if len(index) > len(shape):
+        raise IndexError(f"too many indices ({len(index)}) for a tensor of {len(shape)} dims")
+    index = index + (slice(None),) * (len(shape) - len(index))
+    box: list[tuple[int, int]] = []
+    post: list[Any] = []
+    for i, size in zip(index, shape):
+        if isinstance(i, bool) or not isinstance(i, (int, slice)):
+            raise TypeError(f"get_slice supports ints, slices and ..., got {i!r}")
+        if isinstance(i, int):
+            j = i + size if i < 0 else i
+            if not 0 <= j < size:
+                raise IndexError(f"index {i} is out of range for a dimension of size {size}")
+            box.append((j, j + 1))
+            post.append(0)
+            continue
+        start, stop, step = i.indices(size)
+        if step <= 0:
+            raise ValueError("get_slice supports positive steps only")
+        stop = max(start, stop)
+        box.append((start, stop))
+        post.append(slice(0, stop - start, step))
+    return box, tuple(post)

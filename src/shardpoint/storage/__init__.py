@@ -1,0 +1,1 @@
+"""Where checkpoint bytes live. One backend per module; today: the local file system."""

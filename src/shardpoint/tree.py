@@ -1,0 +1,240 @@
+"""Flattening nested training state to named tensors plus a JSON tree, and back.
+
+The tree is stored in ``index.json``. Containers are tagged JSON objects so every
+Python type comes back as itself (a tuple stays a tuple, an ``int`` dict key stays an
+``int``); a bare JSON object never appears, so tags cannot collide with user data:
+
+    {"dict": [[key, value], ...]}   {"list": [...]}   {"tuple": [...]}
+    {"bytes": "<base64>"}           {"float": "nan" | "inf" | "-inf"}
+    {"tensor": "<entry name>"}
+
+Finite floats, ints, bools, ``None`` and strings are plain JSON. Objects with
+``state_dict()``/``load_state_dict()`` (the ``Stateful`` protocol) are stored as their
+state dict. Anything else is refused at save time with its path.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .errors import StateMismatchError, UnsupportedValueError
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An object that can save and restore itself through a state dict."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+def is_stateful(obj: object) -> bool:
+    return not isinstance(obj, (torch.Tensor, dict)) and isinstance(obj, Stateful)
+
+
+def _join(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+@dataclass
+class FlatState:
+    tree: Any  # JSON-ready encoded tree
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def flatten(state: object) -> FlatState:
+    """Encode ``state`` to a JSON tree; tensors are collected by dotted path name."""
+    flat = FlatState(tree=None)
+    flat.tree = _encode(state, "", flat.tensors)
+    return flat
+
+
+def _encode(value: object, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        if path in tensors:
+            raise UnsupportedValueError(
+                f"two tensors map to the entry name {path!r}; rename a key so that dotted "
+                "paths are unique (e.g. a key containing '.' collides with a nested one)"
+            )
+        tensors[path] = value.detach()
+        return {"tensor": path}
+    if is_stateful(value):
+        return _encode(value.state_dict(), path, tensors)  # type: ignore[union-attr]
+    if isinstance(value, dict):
+        return {
+            "dict": [
+                [_encode_key(k, path), _encode(v, _join(path, k), tensors)]
+                for k, v in value.items()
+            ]
+        }
+    if type(value) is list:
+        return {"list": [_encode(v, _join(path, i), tensors) for i, v in enumerate(value)]}
+    if type(value) is tuple:
+        return {"tuple": [_encode(v, _join(path, i), tensors) for i, v in enumerate(value)]}
+    return _encode_scalar(value, path)
+
+
+def _encode_key(key: object, path: str) -> Any:
+    if type(key) is tuple:
+        return {"tuple": [_encode_key(k, path) for k in key]}
+    return _encode_scalar(key, _join(path, f"<key {key!r}>"))
+
+
+def _encode_scalar(value: object, path: str) -> Any:
+    kind = type(value)
+    if value is None or kind in (bool, int, str):
+        return value
+    if kind is float:
+        if math.isfinite(value):  # type: ignore[arg-type]
+            return value
+        return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}  # type: ignore[operator]
+    if kind is bytes:
+        return {"bytes": base64.b64encode(value).decode("ascii")}  # type: ignore[arg-type]
+    raise UnsupportedValueError(
+        f"cannot save {kind.__module__}.{kind.__qualname__} at {path or '<root>'!r}: only "
+        "tensors, Stateful objects, dict/list/tuple, and int/float/bool/None/str/bytes are "
+        "stored (no pickle). Convert it (e.g. to a tensor, a list or a str) before saving."
+    )
+
+
+def decode(node: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
+    """Rebuild the Python value of an encoded tree; ``tensor(name)`` supplies tensors."""
+    if not isinstance(node, dict):
+        return node
+    ((tag, body),) = node.items()
+    if tag == "dict":
+        return {_decode_key(k): decode(v, tensor) for k, v in body}
+    if tag == "list":
+        return [decode(v, tensor) for v in body]
+    if tag == "tuple":
+        return tuple(decode(v, tensor) for v in body)
+    if tag == "tensor":
+        return tensor(body)
+    if tag == "float":
+        return float(body)
+    if tag == "bytes":
+        return base64.b64decode(body)
+    raise ValueError(f"unknown tree tag {tag!r}")
+
+
+def _decode_key(node: Any) -> Any:
+    return decode(node, lambda name: _no_tensor_key(name))
+
+
+def _no_tensor_key(name: str) -> torch.Tensor:
+    raise ValueError(f"a dict key cannot be a tensor ({name!r})")
+
+
+def tensor_names(node: Any) -> list[str]:
+    """Every tensor entry name referenced by an encoded tree, in tree order."""
+    names: list[str] = []
+    decode(node, lambda name: names.append(name))  # type: ignore[func-returns-value]
+    return names
+
+
+@dataclass
+class LoadMatch:
+    """How a checkpoint tree maps onto the state it is loaded into.
+
+    ``destinations`` are the live tensors to fill in place; ``finish`` assigns the
+    loaded values and calls ``load_state_dict`` once every tensor has been read.
+    """
+
+    destinations: dict[str, torch.Tensor] = field(default_factory=dict)
+    materialize: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    finish: Callable[[Callable[[str], torch.Tensor]], Any] = lambda tensor: None
+
+
+def match(target: object, node: Any) -> LoadMatch:
+    """Pair the live ``target`` state with a stored tree, without reading any tensor."""
+    m = LoadMatch()
+    m.finish = _match(target, node, "", m, in_stateful=False)
+    return m
+
+
+Finisher = Callable[[Callable[[str], torch.Tensor]], Any]
+
+
+def _match(
+    target: object, node: Any, path: str, m: LoadMatch, *, in_stateful: bool
+) -> Finisher:
+    tag = next(iter(node)) if isinstance(node, dict) else None
+
+    if tag == "tensor":
+        name = node["tensor"]
+        if isinstance(target, torch.Tensor):
+            m.destinations[name] = target
+            return lambda tensor: target
+        m.materialize.append(name)
+        return lambda tensor: tensor(name)
+
+    if is_stateful(target):
+        inner = _match(target.state_dict(), node, path, m, in_stateful=True)  # type: ignore[union-attr]
+
+        def finish_stateful(tensor: Callable[[str], torch.Tensor]) -> Any:
+            try:
+                target.load_state_dict(inner(tensor))  # type: ignore[union-attr]
+            except (RuntimeError, ValueError, KeyError) as exc:
+                raise StateMismatchError(
+                    f"{type(target).__name__} at {path or '<root>'!r} rejected the checkpoint's "
+                    f"state: {exc}"
+                ) from exc
+            return target
+
+        return finish_stateful
+
+    if tag == "dict" and isinstance(target, dict):
+        stored = {_decode_key(k): v for k, v in node["dict"]}
+        children: dict[object, Finisher] = {}
+        for key, child in stored.items():
+            if key in target:
+                children[key] = _match(
+                    target[key], child, _join(path, key), m, in_stateful=in_stateful
+                )
+            elif in_stateful:
+                children[key] = _materialize(child, m)
+            else:
+                m.unexpected.append(_join(path, key))
+        m.missing.extend(_join(path, k) for k in target if k not in stored)
+
+        def finish_dict(tensor: Callable[[str], torch.Tensor]) -> Any:
+            for key, child_finish in children.items():
+                target[key] = child_finish(tensor)  # type: ignore[index]
+            return target
+
+        return finish_dict
+
+    if tag in ("list", "tuple") and isinstance(target, (list, tuple)) and len(target) == len(
+        node[tag]
+    ):
+        items = [
+            _match(t, c, _join(path, i), m, in_stateful=in_stateful)
+            for i, (t, c) in enumerate(zip(target, node[tag]))
+        ]
+
+        def finish_sequence(tensor: Callable[[str], torch.Tensor]) -> Any:
+            values = [f(tensor) for f in items]
+            if isinstance(target, list) and tag == "list":
+                target[:] = values
+                return target
+            return tuple(values) if tag == "tuple" else values
+
+        return finish_sequence
+
+    if isinstance(target, torch.Tensor):
+        m.missing.append(f"{path} (a tensor in the state, not in the checkpoint)")
+    return _materialize(node, m)
+
+
+def _materialize(node: Any, m: LoadMatch) -> Finisher:
+    m.materialize.extend(tensor_names(node))
+    return lambda tensor: decode(node, tensor)
