@@ -65,7 +65,8 @@ def load(
             )
     if problems:
         raise StateMismatchError(
-            f"{ckpt.where}: checkpoint does not fit the state: " + "; ".join(problems)
+            f"{ckpt.where}: checkpoint does not fit the state: "
+            + "; ".join(problems)
             + ". Build the state with the same model/optimizer configuration, or pass "
             "strict=False to skip missing/unexpected keys."
         )
@@ -128,7 +129,9 @@ class ReadPlan:
             for chunk in entry.chunks:
                 self.ckpt.header(chunk.file)
                 whole = chunk.shape == entry.shape
-                buf = target.staging if whole else torch.empty(chunk.shape, dtype=DTYPES[entry.dtype])
+                buf = (
+                    target.staging if whole else torch.empty(chunk.shape, dtype=DTYPES[entry.dtype])
+                )
                 flat = flat_bytes(buf)
                 requests.setdefault(chunk.file, []).append(Segment(chunk.begin, flat))
                 checks.append((entry, chunk, buf))
@@ -146,7 +149,9 @@ class ReadPlan:
                     dest.copy_(target.staging)
 
 
-def _verify_chunk(ckpt: CommittedCheckpoint, entry: TensorEntry, chunk: Chunk, buf: torch.Tensor) -> None:
+def _verify_chunk(
+    ckpt: CommittedCheckpoint, entry: TensorEntry, chunk: Chunk, buf: torch.Tensor
+) -> None:
     if checksum(byte_view(buf)) != chunk.checksum:
         raise CorruptCheckpointError(
             f"{ckpt.storage.path(chunk.file)}: checksum mismatch in {entry.name!r} "
@@ -168,4 +173,3 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.stride() == b.stride()
         and math.prod(a.shape) > 0
     )
-

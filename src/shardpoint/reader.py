@@ -74,9 +74,12 @@ class CheckpointReader:
     def state(self, *, tensors: bool = True) -> Any:
         """The whole saved state as Python values; with ``tensors=False`` each tensor is
         replaced by its ``TensorEntry`` and nothing but the index is read."""
-        if tensors:
-            return decode(self._ckpt.index.tree, self.get)
-        return decode(self._ckpt.index.tree, self.entry)
+        if not tensors:
+            return decode(self._ckpt.index.tree, self.entry)
+        plan = ReadPlan(self._ckpt)
+        loaded = {name: plan.fresh(name) for name in self.keys()}  # tied names share a tensor
+        plan.run(threads=1, verify=True, direct=False)
+        return decode(self._ckpt.index.tree, loaded.__getitem__)
 
     def _read_rows(self, entry: TensorEntry, chunk: Chunk, lo: int, hi: int) -> torch.Tensor:
         """Rows ``[lo, hi)`` of ``chunk`` (along dim 0); the only bytes read are theirs."""

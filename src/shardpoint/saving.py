@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import torch
@@ -98,7 +98,9 @@ def save(
     # Checksums run beside the writes, on their own thread, so they cost no wall time.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardpoint-hash") as hasher:
         for file, names in files.items():
-            slots = layout([(n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in names])
+            slots = layout(
+                [(n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in names]
+            )
             header = encode_header(slots, SHARD_METADATA)
             data_start = len(header)
             segments = [Segment(0, torch.frombuffer(bytearray(header), dtype=torch.uint8))]
@@ -115,7 +117,7 @@ def save(
             digests = {name: digest.result() for name, _, _, _, digest in pending}
         except OSError as exc:
             _fail(storage.root, to_write, exc)
-        for name, file, slot, data_start, digest in pending:
+        for name, file, slot, data_start, _ in pending:
             chunk = Chunk(
                 file=file,
                 key=name,
@@ -185,7 +187,9 @@ def _dedupe(
     return stored, aliases, host
 
 
-def _pack(names: list[str], tensors: dict[str, torch.Tensor], max_bytes: int) -> dict[str, list[str]]:
+def _pack(
+    names: list[str], tensors: dict[str, torch.Tensor], max_bytes: int
+) -> dict[str, list[str]]:
     """Greedy packing in state order: related tensors stay together in one file."""
     files: dict[str, list[str]] = {}
     current: list[str] = []

@@ -164,9 +164,7 @@ def match(target: object, node: Any) -> LoadMatch:
 Finisher = Callable[[Callable[[str], torch.Tensor]], Any]
 
 
-def _match(
-    target: object, node: Any, path: str, m: LoadMatch, *, in_stateful: bool
-) -> Finisher:
+def _match(target: object, node: Any, path: str, m: LoadMatch, *, in_stateful: bool) -> Finisher:
     tag = next(iter(node)) if isinstance(node, dict) else None
 
     if tag == "tensor":
@@ -213,8 +211,10 @@ def _match(
 
         return finish_dict
 
-    if tag in ("list", "tuple") and isinstance(target, (list, tuple)) and len(target) == len(
-        node[tag]
+    if (
+        tag in ("list", "tuple")
+        and isinstance(target, (list, tuple))
+        and len(target) == len(node[tag])
     ):
         items = [
             _match(t, c, _join(path, i), m, in_stateful=in_stateful)

@@ -113,7 +113,9 @@ class Index:
             "tree": self.tree,
             "metadata": self.metadata,
         }
-        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode(
+            "utf-8"
+        )
 
 
 def check_file_name(name: object, where: str) -> str:
@@ -131,7 +133,9 @@ def _ints(value: object, what: str, where: str, *, length: int | None = None) ->
         or not all(type(v) is int and v >= 0 for v in value)
         or (length is not None and len(value) != length)
     ):
-        raise CorruptCheckpointError(f"{where}: {what} must be a list of non-negative ints, got {value!r}")
+        raise CorruptCheckpointError(
+            f"{where}: {what} must be a list of non-negative ints, got {value!r}"
+        )
     return tuple(value)
 
 
@@ -142,7 +146,9 @@ def parse_index(raw: bytes, where: str) -> Index:
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{where}: not valid UTF-8 JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise CorruptCheckpointError(f"{where}: not a shardpoint index (missing \"format\": \"shardpoint\")")
+        raise CorruptCheckpointError(
+            f'{where}: not a shardpoint index (missing "format": "shardpoint")'
+        )
     version = doc.get("format_version")
     if type(version) is not int or version > FORMAT_VERSION or version < 1:
         raise CorruptCheckpointError(
@@ -150,13 +156,17 @@ def parse_index(raw: bytes, where: str) -> Index:
             f"(reads up to {FORMAT_VERSION}); upgrade shardpoint to read it"
         )
     if doc.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
-        raise CorruptCheckpointError(f"{where}: unknown checksum_algorithm {doc.get('checksum_algorithm')!r}")
+        raise CorruptCheckpointError(
+            f"{where}: unknown checksum_algorithm {doc.get('checksum_algorithm')!r}"
+        )
     try:
         return _parse_fields(doc, where)
     except CorruptCheckpointError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CorruptCheckpointError(f"{where}: malformed index ({type(exc).__name__}: {exc})") from None
+        raise CorruptCheckpointError(
+            f"{where}: malformed index ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def _parse_fields(doc: dict[str, Any], where: str) -> Index:
@@ -180,7 +190,9 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
         entries[name] = TensorEntry(name, dtype, shape, chunks)
     for name, target in aliases.items():
         if target not in entries:
-            raise CorruptCheckpointError(f"{where}: alias {name!r} points at missing entry {target!r}")
+            raise CorruptCheckpointError(
+                f"{where}: alias {name!r} points at missing entry {target!r}"
+            )
 
     tree = doc["tree"]
     try:
@@ -191,7 +203,8 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
     unknown = [n for n in referenced if n not in known]
     if unknown or len(referenced) != len(known):
         raise CorruptCheckpointError(
-            f"{where}: state tree and tensor table disagree (e.g. {(unknown or sorted(known - set(referenced)))[:3]})"
+            f"{where}: state tree and tensor table disagree "
+            f"(e.g. {(unknown or sorted(known - set(referenced)))[:3]})"
         )
     world_size = doc.get("world_size", 1)
     metadata = doc.get("metadata", {})
@@ -220,12 +233,16 @@ def _parse_chunk(
 ) -> Chunk:
     file = check_file_name(spec["file"], where)
     if file not in files:
-        raise CorruptCheckpointError(f"{where}: entry {name!r} names file {file!r} not listed in files")
+        raise CorruptCheckpointError(
+            f"{where}: entry {name!r} names file {file!r} not listed in files"
+        )
     offsets = _ints(spec["offsets"], f"offsets of {name!r}", where, length=len(shape))
     cshape = _ints(spec["shape"], f"chunk shape of {name!r}", where, length=len(shape))
     begin, end = _ints(spec["byte_range"], f"byte_range of {name!r}", where, length=2)
     if any(o + s > d for o, s, d in zip(offsets, cshape, shape)):
-        raise CorruptCheckpointError(f"{where}: a chunk of {name!r} lies outside its shape {list(shape)}")
+        raise CorruptCheckpointError(
+            f"{where}: a chunk of {name!r} lies outside its shape {list(shape)}"
+        )
     if end - begin != math.prod(cshape) * itemsize(dtype) or end > files[file]:
         raise CorruptCheckpointError(
             f"{where}: chunk of {name!r} has byte_range [{begin}, {end}] inconsistent with its "
@@ -233,7 +250,9 @@ def _parse_chunk(
         )
     digest = spec["checksum"]
     if not isinstance(digest, str) or not _CHECKSUM.match(digest):
-        raise CorruptCheckpointError(f"{where}: chunk of {name!r} has a malformed checksum {digest!r}")
+        raise CorruptCheckpointError(
+            f"{where}: chunk of {name!r} has a malformed checksum {digest!r}"
+        )
     key = spec["key"]
     if not isinstance(key, str):
         raise CorruptCheckpointError(f"{where}: chunk of {name!r} has a non-string key")
@@ -243,7 +262,9 @@ def _parse_chunk(
 def _check_cover(name: str, shape: tuple[int, ...], chunks: tuple[Chunk, ...], where: str) -> None:
     """The chunks must tile the tensor exactly: volumes add up and no two overlap."""
     if sum(math.prod(c.shape) for c in chunks) != math.prod(shape):
-        raise CorruptCheckpointError(f"{where}: the chunks of {name!r} do not cover its shape {list(shape)}")
+        raise CorruptCheckpointError(
+            f"{where}: the chunks of {name!r} do not cover its shape {list(shape)}"
+        )
     if len(chunks) > 1:
         nonempty = [c for c in chunks if math.prod(c.shape)]
         for i, a in enumerate(nonempty):

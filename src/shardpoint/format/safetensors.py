@@ -125,15 +125,19 @@ def _is_int(value: object) -> bool:
 def header_length(prefix: bytes, file_size: int, where: str) -> int:
     """Validate the 8-byte length prefix against the file size; returns N."""
     if len(prefix) < 8 or file_size < 8:
-        raise CorruptCheckpointError(f"{where}: file is shorter than the 8-byte safetensors header length")
+        raise CorruptCheckpointError(
+            f"{where}: file is shorter than the 8-byte safetensors header length"
+        )
     (n,) = _LEN.unpack(prefix[:8])
     if n > MAX_HEADER_BYTES:
         raise CorruptCheckpointError(
-            f"{where}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit; the file is corrupt"
+            f"{where}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit; "
+            "the file is corrupt"
         )
     if 8 + n > file_size:
         raise CorruptCheckpointError(
-            f"{where}: header length {n} runs past the end of the {file_size}-byte file (truncated?)"
+            f"{where}: header length {n} runs past the end of the {file_size}-byte file "
+            "(truncated?)"
         )
     return n
 
@@ -143,6 +147,7 @@ def parse_header(header: bytes, file_size: int, where: str) -> Header:
 
     Raises CorruptCheckpointError naming ``where`` for anything the spec forbids.
     """
+
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: invalid safetensors header: {why}")
 
@@ -186,11 +191,14 @@ def parse_header(header: bytes, file_size: int, where: str) -> Header:
             or not all(_is_int(o) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1] <= data_len
         ):
-            raise bad(f"entry {name!r} has data_offsets {offsets!r} outside the {data_len}-byte data")
+            raise bad(
+                f"entry {name!r} has data_offsets {offsets!r} outside the {data_len}-byte data"
+            )
         expected = math.prod(shape) * itemsize(dtype)
         if offsets[1] - offsets[0] != expected:
             raise bad(
-                f"entry {name!r} spans {offsets[1] - offsets[0]} bytes but {dtype}{shape} needs {expected}"
+                f"entry {name!r} spans {offsets[1] - offsets[0]} bytes "
+                f"but {dtype}{shape} needs {expected}"
             )
         slots[name] = TensorSlot(dtype, tuple(shape), offsets[0], offsets[1])
 

@@ -182,7 +182,9 @@ class LocalDirectory:
                     starts = [s.offset for s in segments]
                     for lo in range(0, size, BLOCK):
                         hi = min(lo + BLOCK, size)
-                        jobs.append(_direct_write_job(fd, segments, starts, lo, hi, bounce, on_bytes))
+                        jobs.append(
+                            _direct_write_job(fd, segments, starts, lo, hi, bounce, on_bytes)
+                        )
                 else:
                     jobs.extend(_buffered_write_job(fd, s, on_bytes) for s in segments)
             _run(jobs, threads)
@@ -219,7 +221,9 @@ class LocalDirectory:
                     continue
                 starts = [s.offset for s in segments]
                 for lo, hi in _aligned_spans(segments):
-                    jobs.append(_direct_read_job(fd, segments, starts, lo, hi, bounce, where, on_bytes))
+                    jobs.append(
+                        _direct_read_job(fd, segments, starts, lo, hi, bounce, where, on_bytes)
+                    )
             _run(jobs, threads)
         finally:
             for fd in fds.values():
@@ -306,7 +310,9 @@ def _buffered_read_job(fd, segment, where, on_bytes):  # type: ignore[no-untyped
     def job() -> None:
         n = segment.data.numel()
         if n and _pread_into(fd, _view(segment.data), segment.offset) != n:
-            raise CorruptCheckpointError(f"{where}: file is truncated (ends before byte {segment.end})")
+            raise CorruptCheckpointError(
+                f"{where}: file is truncated (ends before byte {segment.end})"
+            )
         if on_bytes:
             on_bytes(n)
 

@@ -1,0 +1,30 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardpoint.format.index import INDEX_NAME, MARKER_NAME, marker_json
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path: Path) -> Path:
+    return tmp_path / "ckpt"
+
+
+def rewrite_index(path: Path, mutate) -> None:
+    """Edit index.json and re-sign the marker, as a hostile or buggy writer could."""
+    doc = json.loads((path / INDEX_NAME).read_bytes())
+    mutate(doc)
+    raw = json.dumps(doc).encode()
+    (path / INDEX_NAME).write_bytes(raw)
+    (path / MARKER_NAME).write_bytes(marker_json(raw))
+
+
+def sample_state() -> dict:
+    torch.manual_seed(0)
+    return {
+        "a": torch.randn(64, 32),
+        "b": {"c": torch.arange(10, dtype=torch.int64), "d": torch.randn(3, dtype=torch.float64)},
+        "step": 3,
+    }

@@ -1,0 +1,88 @@
+"""shardpoint.open reads only what it is asked for."""
+
+import os
+
+import pytest
+import torch
+
+import shardpoint
+import shardpoint.storage.local as local
+
+
+@pytest.fixture
+def big(ckpt_dir):
+    torch.manual_seed(1)
+    state = {f"layer{i}": torch.randn(256, 128) for i in range(8)}
+    state["scalar"] = torch.tensor(2.5)
+    state["meta"] = {"step": 11, "name": "run"}
+    shardpoint.save(state, ckpt_dir, metadata={"note": "hi"})
+    return state
+
+
+@pytest.fixture
+def bytes_read(monkeypatch):
+    counter = {"n": 0}
+    real = os.preadv
+
+    def counting(fd, buffers, offset):
+        n = real(fd, buffers, offset)
+        counter["n"] += n
+        return n
+
+    monkeypatch.setattr(local.os, "preadv", counting)
+    return counter
+
+
+def test_get_reads_one_tensor_and_nothing_else(ckpt_dir, big, bytes_read):
+    with shardpoint.open(ckpt_dir) as r:
+        t = r.get("layer3")
+    assert torch.equal(t, big["layer3"])
+    assert bytes_read["n"] == 256 * 128 * 4
+
+
+def test_get_slice_reads_only_the_rows_it_needs(ckpt_dir, big, bytes_read):
+    with shardpoint.open(ckpt_dir) as r:
+        s = r.get_slice("layer5")
+        assert s.shape == (256, 128) and s.dtype == torch.float32
+        part = s[10:20, 5:9]
+    assert torch.equal(part, big["layer5"][10:20, 5:9])
+    assert bytes_read["n"] == 10 * 128 * 4
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        0,
+        -1,
+        slice(None),
+        (slice(3, 50, 7), 2),
+        (Ellipsis, 1),
+        (Ellipsis,),
+        (slice(5, 2),),
+        (slice(-10, None), slice(None, None, 3)),
+    ],
+)
+def test_get_slice_matches_torch_indexing(ckpt_dir, big, index):
+    with shardpoint.open(ckpt_dir) as r:
+        assert torch.equal(r.get_slice("layer0")[index], big["layer0"][index])
+
+
+def test_get_slice_of_a_scalar(ckpt_dir, big):
+    with shardpoint.open(ckpt_dir) as r:
+        assert r.get_slice("scalar")[...].item() == 2.5
+
+
+def test_keys_metadata_and_values_come_from_the_index_alone(ckpt_dir, big, bytes_read):
+    with shardpoint.open(ckpt_dir) as r:
+        assert r.keys() == [f"layer{i}" for i in range(8)] + ["scalar"]
+        assert "layer1" in r and "nope" not in r
+        assert r.metadata["user"] == {"note": "hi"} and r.metadata["format_version"] == 1
+        values = r.state(tensors=False)
+    assert values["meta"] == {"step": 11, "name": "run"}
+    assert values["layer0"].shape == (256, 128)
+    assert bytes_read["n"] == 0
+
+
+def test_unknown_names_raise_key_error_naming_the_checkpoint(ckpt_dir, big):
+    with shardpoint.open(ckpt_dir) as r, pytest.raises(KeyError, match="layer9"):
+        r.get("layer9")

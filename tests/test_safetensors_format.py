@@ -1,0 +1,176 @@
+"""Shard files are plain safetensors: golden bytes, reference-library interop, strict parsing."""
+
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import shardpoint
+from shardpoint.errors import CorruptCheckpointError
+from shardpoint.format.safetensors import MAX_HEADER_BYTES, header_length, parse_header
+
+GOLDEN_HEADER = (
+    b'{"__metadata__":{"format":"pt"},"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+)
+GOLDEN_FILE = (
+    b"\x58\x00\x00\x00\x00\x00\x00\x00"  # header length 88, u64 little-endian
+    + GOLDEN_HEADER
+    + b"   "  # padded with spaces to a multiple of 8
+    + bytes.fromhex("0000803f")  # 1.0f
+    + bytes.fromhex("00000040")  # 2.0f
+)
+
+
+def test_single_tensor_file_matches_golden_bytes(ckpt_dir):
+    shardpoint.save({"x": torch.tensor([1.0, 2.0])}, ckpt_dir)
+    (shard,) = ckpt_dir.glob("*.safetensors")
+    assert shard.read_bytes() == GOLDEN_FILE
+
+
+def test_every_shard_opens_with_reference_library(ckpt_dir):
+    state = {
+        "w": torch.randn(8, 8),
+        "h": torch.randn(5).half(),
+        "nested": {"i": torch.arange(7, dtype=torch.int32)},
+        "bf": torch.randn(3, 3).bfloat16(),
+    }
+    shardpoint.save(state, ckpt_dir, max_shard_size=200)
+    shards = sorted(ckpt_dir.glob("*.safetensors"))
+    assert len(shards) > 1
+    seen = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            for key in f.keys():
+                seen[key] = f.get_tensor(key)
+    assert set(seen) == {"w", "h", "nested.i", "bf"}
+    assert torch.equal(seen["w"], state["w"])
+    assert torch.equal(seen["nested.i"], state["nested"]["i"])
+    assert torch.equal(seen["bf"], state["bf"])
+
+
+def test_file_written_by_reference_library_parses(tmp_path):
+    tensors = {
+        "a": torch.randn(4, 5),
+        "b": torch.zeros(0, 3),
+        "c": torch.tensor(3, dtype=torch.int8),
+    }
+    path = tmp_path / "ref.safetensors"
+    save_file(tensors, str(path), metadata={"k": "v"})
+    raw = path.read_bytes()
+    n = header_length(raw[:8], len(raw), str(path))
+    header = parse_header(raw[8 : 8 + n], len(raw), str(path))
+    assert header.metadata == {"k": "v"}
+    for name, t in tensors.items():
+        slot = header.slots[name]
+        data = raw[header.data_start + slot.begin : header.data_start + slot.end]
+        got = (
+            torch.frombuffer(bytearray(data), dtype=t.dtype)
+            if data
+            else torch.empty(0, dtype=t.dtype)
+        )
+        assert torch.equal(got.reshape(t.shape), t)
+
+
+def _file(header: bytes, data: bytes = b"") -> bytes:
+    return struct.pack("<Q", len(header)) + header + data
+
+
+def _parse(raw: bytes):
+    n = header_length(raw[:8], len(raw), "f")
+    return parse_header(raw[8 : 8 + n], len(raw), "f")
+
+
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        (b"\x01\x00", "shorter than"),
+        (struct.pack("<Q", MAX_HEADER_BYTES + 1), "exceeds"),
+        (struct.pack("<Q", 100) + b"{}", "runs past the end"),
+        (_file(b"\xff\xfe"), "not UTF-8"),
+        (_file(b"[1,2]   "), "does not start"),
+        (_file(b"{nope}  "), "not valid JSON"),
+        (
+            _file(
+                b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+                b"\0" * 4,
+            ),
+            "duplicate",
+        ),
+        (
+            _file(b'{"a":{"dtype":"X9","shape":[1],"data_offsets":[0,4]}}', b"\0" * 4),
+            "unknown dtype",
+        ),
+        (
+            _file(b'{"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}', b"\0" * 4),
+            "invalid shape",
+        ),
+        (_file(b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}', b"\0" * 4), "needs 8"),
+        (_file(b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,8]}}', b"\0" * 4), "outside"),
+        (_file(b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}', b"\0" * 8), "gap"),
+        (
+            _file(
+                b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',
+                b"\0" * 8,
+            ),
+            "overlaps",
+        ),
+        (
+            _file(b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', b"\0" * 12),
+            "cover 4 bytes",
+        ),
+        (
+            _file(b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1}}', b"\0" * 4),
+            "exactly",
+        ),
+        (_file(b'{"__metadata__":{"k":1}}'), "__metadata__"),
+        (
+            _file(b'{"a":{"dtype":"F32","shape":[true],"data_offsets":[0,4]}}', b"\0" * 4),
+            "invalid shape",
+        ),
+        (
+            _file(
+                b'{"a":{"dtype":"F32","shape":[99999999999,99999999999],"data_offsets":[0,4]}}',
+                b"\0" * 4,
+            ),
+            "needs",
+        ),
+        (
+            _file(b'{"\\udc80":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', b"\0" * 4),
+            "UTF-8",
+        ),
+    ],
+)
+def test_strict_parser_rejects_malformed_headers(raw, why):
+    with pytest.raises(CorruptCheckpointError, match=why):
+        _parse(raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_parser_raises_only_typed_errors_on_random_bytes(raw):
+    try:
+        _parse(raw)
+    except CorruptCheckpointError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, len(GOLDEN_FILE) - 1), st.integers(0, 255))
+def test_parser_on_mutated_golden_file_raises_only_typed_errors(pos, value):
+    raw = bytearray(GOLDEN_FILE)
+    raw[pos] = value
+    try:
+        _parse(bytes(raw))
+    except CorruptCheckpointError:
+        pass
+
+
+def test_golden_file_parses():
+    header = _parse(GOLDEN_FILE)
+    assert header.data_start == 96
+    assert header.slots["x"].shape == (2,)
