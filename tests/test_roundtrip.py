@@ -203,16 +203,29 @@ def test_large_state_splits_into_shards_and_round_trips(ckpt_dir):
 def test_buffered_fallback_and_direct_io_write_identical_files(tmp_path, monkeypatch):
     import shardpoint.storage.local as local
 
-    state = {"a": torch.randn(1000, 17), "b": torch.randn(3)}
+    # "big" is large enough for the zero-copy path, "a" and "b" go through bounce buffers
+    state = {"a": torch.randn(1000, 17), "big": torch.randn(3, 1024 * 1024), "b": torch.randn(3)}
     shardpoint.save(state, tmp_path / "direct")
     monkeypatch.setattr(local, "_DIRECT", 0)
     shardpoint.save(state, tmp_path / "buffered")
     a = sorted((tmp_path / "direct").glob("*.safetensors"))
     b = sorted((tmp_path / "buffered").glob("*.safetensors"))
     assert [p.read_bytes() for p in a] == [p.read_bytes() for p in b]
-    dest = {"a": torch.empty(1000, 17), "b": torch.empty(3)}
-    shardpoint.load(dest, tmp_path / "buffered")
-    assert torch.equal(dest["a"], state["a"])
+    for source in ("buffered", "direct"):
+        dest = {k: torch.empty_like(v) for k, v in state.items()}
+        shardpoint.load(dest, tmp_path / source)
+        assert all(torch.equal(dest[k], state[k]) for k in state)
+
+
+def test_large_tensors_are_placed_for_zero_copy_direct_io(ckpt_dir):
+    from shardpoint.storage.local import ALIGN
+
+    state = {"big": torch.randn(1024 * 1024), "small": torch.randn(5)}
+    shardpoint.save(state, ckpt_dir)
+    with shardpoint.open(ckpt_dir) as r:
+        (chunk,) = r.entry("big").chunks
+    # the file offset agrees with the tensor's address modulo the page size
+    assert (chunk.begin - state["big"].data_ptr()) % ALIGN == 0
 
 
 def test_blocks_larger_than_the_bounce_buffer_round_trip(ckpt_dir, monkeypatch):

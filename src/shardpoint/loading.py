@@ -21,12 +21,15 @@ from .checkpoint_dir import CommittedCheckpoint, open_committed
 from .errors import CorruptCheckpointError, StateMismatchError
 from .format.index import Chunk, TensorEntry, checksum
 from .format.safetensors import DTYPES
+from .gc_pause import gc_paused
+from .parallel import map_batched
 from .saving import DEFAULT_THREADS
 from .storage.local import Segment
-from .tensor_memory import byte_view, flat_bytes
+from .tensor_memory import flat_bytes, plain
 from .tree import match
 
 
+@gc_paused()
 def load(
     state: Any,
     path: str | os.PathLike[str],
@@ -105,7 +108,7 @@ class ReadPlan:
         target = self.targets.get(entry.name)
         if target is None:
             direct = dest.device.type == "cpu" and dest.is_contiguous() and len(entry.chunks) == 1
-            staging = dest.detach() if direct else torch.empty(entry.shape, dtype=dest.dtype)
+            staging = plain(dest) if direct else torch.empty(entry.shape, dtype=dest.dtype)
             target = self.targets[entry.name] = _Target(staging)
             if not direct:
                 target.copies.append(dest)
@@ -134,13 +137,15 @@ class ReadPlan:
                 )
                 flat = flat_bytes(buf)
                 requests.setdefault(chunk.file, []).append(Segment(chunk.begin, flat))
-                checks.append((entry, chunk, buf))
+                checks.append((entry, chunk, flat))
                 if not whole:
                     regions.append((_region(target.staging, chunk), buf))
         self.ckpt.storage.read_ranges(requests, threads=threads, direct=direct)
         if verify:
             with ThreadPoolExecutor(max_workers=max(threads, 1)) as pool:
-                list(pool.map(lambda c: _verify_chunk(self.ckpt, *c), checks))
+                map_batched(
+                    pool, lambda c: _verify_chunk(self.ckpt, *c), checks, lambda c: c[2].nbytes
+                )()
         for region, buf in regions:
             region.copy_(buf)
         for target in self.targets.values():
@@ -152,7 +157,7 @@ class ReadPlan:
 def _verify_chunk(
     ckpt: CommittedCheckpoint, entry: TensorEntry, chunk: Chunk, buf: torch.Tensor
 ) -> None:
-    if checksum(byte_view(buf)) != chunk.checksum:
+    if checksum(buf.numpy()) != chunk.checksum:
         raise CorruptCheckpointError(
             f"{ckpt.storage.path(chunk.file)}: checksum mismatch in {entry.name!r} "
             f"(bytes {chunk.begin}-{chunk.end}); the file is corrupt, load an earlier checkpoint"

@@ -12,7 +12,7 @@ import os
 import re
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,9 +31,11 @@ from .format.index import (
     checksum,
     marker_json,
 )
-from .format.safetensors import TensorSlot, dtype_name, encode_header, layout
-from .storage.local import LocalDirectory, Segment, fsync_directory
-from .tensor_memory import byte_view, flat_bytes, host_contiguous
+from .format.safetensors import PAGE, TensorSlot, dtype_name, encode_header, layout
+from .gc_pause import gc_paused
+from .parallel import map_batched
+from .storage.local import ZERO_COPY_MIN_BYTES, LocalDirectory, Segment, fsync_directory
+from .tensor_memory import flat_bytes, host_contiguous
 from .tree import flatten
 
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
@@ -57,6 +59,7 @@ def shard_file_name(rank: int, k: int) -> str:
     return f"rank{rank:05d}-{k:05d}.safetensors"
 
 
+@gc_paused()
 def save(
     state: Any,
     path: str | os.PathLike[str],
@@ -94,30 +97,33 @@ def save(
         metadata=dict(metadata or {}),
     )
     to_write: dict[str, tuple[int, list[Segment]]] = {}
-    pending: list[tuple[str, str, TensorSlot, int, Future[str]]] = []
+    placed: list[tuple[str, str, TensorSlot, int, torch.Tensor]] = []  # ..., data start, bytes
+    for file, names in files.items():
+        slots = layout([(n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in names])
+        header = encode_header(slots, SHARD_METADATA, _data_start_mod(slots, tensors))
+        data_start = len(header)
+        segments = [Segment(0, torch.frombuffer(bytearray(header), dtype=torch.uint8))]
+        for name, slot in slots.items():
+            data = flat_bytes(tensors[name])
+            segments.append(Segment(data_start + slot.begin, data))
+            placed.append((name, file, slot, data_start, data))
+        size = data_start + sum(s.nbytes for s in slots.values())
+        index.files[file] = size
+        to_write[file] = (size, segments)
+
     # Checksums run beside the writes, on their own thread, so they cost no wall time.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardpoint-hash") as hasher:
-        for file, names in files.items():
-            slots = layout(
-                [(n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in names]
-            )
-            header = encode_header(slots, SHARD_METADATA)
-            data_start = len(header)
-            segments = [Segment(0, torch.frombuffer(bytearray(header), dtype=torch.uint8))]
-            for name, slot in slots.items():
-                data = tensors[name]
-                segments.append(Segment(data_start + slot.begin, flat_bytes(data)))
-                digest = hasher.submit(lambda d=data: checksum(byte_view(d)))
-                pending.append((name, file, slot, data_start, digest))
-            size = data_start + sum(s.nbytes for s in slots.values())
-            index.files[file] = size
-            to_write[file] = (size, segments)
+        digests = map_batched(
+            hasher,
+            lambda p: checksum(p[4].numpy()),
+            placed,
+            lambda p: p[2].nbytes,
+        )
         try:
             storage.write_files(to_write, threads=threads)
-            digests = {name: digest.result() for name, _, _, _, digest in pending}
         except OSError as exc:
             _fail(storage.root, to_write, exc)
-        for name, file, slot, data_start, _ in pending:
+        for (name, file, slot, data_start, _), digest in zip(placed, digests()):
             chunk = Chunk(
                 file=file,
                 key=name,
@@ -125,7 +131,7 @@ def save(
                 shape=slot.shape,
                 begin=data_start + slot.begin,
                 end=data_start + slot.end,
-                checksum=digests[name],
+                checksum=digest,
             )
             index.entries[name] = TensorEntry(name, slot.dtype, slot.shape, (chunk,))
 
@@ -144,6 +150,23 @@ def save(
         bytes_written=sum(index.files.values()) + len(index_bytes),
         seconds=time.perf_counter() - start,
     )
+
+
+def _data_start_mod(slots: dict[str, TensorSlot], tensors: dict[str, torch.Tensor]) -> int | None:
+    """Where in a page the data should start so most large tensors move zero-copy.
+
+    Direct I/O can skip the bounce buffer for a tensor whose address and file offset
+    agree modulo the page size (storage/local.py). Tensors from the CPU allocator share
+    one such class (64 with glibc), so aligning the data start to it usually wins
+    every large tensor in the file. Small files keep the minimal padding.
+    """
+    votes: dict[int, int] = {}
+    for name, slot in slots.items():
+        if slot.nbytes >= ZERO_COPY_MIN_BYTES:
+            cls = (tensors[name].data_ptr() - slot.begin) % PAGE
+            votes[cls] = votes.get(cls, 0) + slot.nbytes
+    best = max(votes, key=votes.__getitem__, default=None)
+    return best if best is not None and best % 8 == 0 else None
 
 
 def _dedupe(

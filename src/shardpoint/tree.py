@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .errors import StateMismatchError, UnsupportedValueError
+from .tensor_memory import plain
 
 
 @runtime_checkable
@@ -63,7 +64,7 @@ def _encode(value: object, path: str, tensors: dict[str, torch.Tensor]) -> Any:
                 f"two tensors map to the entry name {path!r}; rename a key so that dotted "
                 "paths are unique (e.g. a key containing '.' collides with a nested one)"
             )
-        tensors[path] = value.detach()
+        tensors[path] = plain(value)
         return {"tensor": path}
     if is_stateful(value):
         return _encode(value.state_dict(), path, tensors)  # type: ignore[union-attr]

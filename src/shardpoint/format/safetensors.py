@@ -45,6 +45,7 @@ METADATA_KEY = "__metadata__"
 # allocation, so a hostile length field cannot make us read or allocate gigabytes.
 MAX_HEADER_BYTES = 100_000_000
 ALIGNMENT = 8
+PAGE = 4096
 _LEN = struct.Struct("<Q")
 
 
@@ -82,8 +83,15 @@ def itemsize(dtype: str) -> int:
     return DTYPES[dtype].itemsize
 
 
-def encode_header(slots: dict[str, TensorSlot], metadata: dict[str, str] | None) -> bytes:
-    """The length prefix plus padded JSON header for ``slots`` (in the given order)."""
+def encode_header(
+    slots: dict[str, TensorSlot], metadata: dict[str, str] | None, data_start_mod: int | None = None
+) -> bytes:
+    """The length prefix plus padded JSON header for ``slots`` (in the given order).
+
+    The spec allows any amount of space padding; ``data_start_mod`` (a multiple of 8)
+    pads further so the data starts at that offset modulo the 4096-byte page, which
+    lets page-aligned direct I/O reach the tensors without copies.
+    """
     doc: dict[str, object] = {}
     if metadata:
         doc[METADATA_KEY] = metadata
@@ -94,8 +102,10 @@ def encode_header(slots: dict[str, TensorSlot], metadata: dict[str, str] | None)
             "data_offsets": [slot.begin, slot.end],
         }
     raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    raw += b" " * (-len(raw) % ALIGNMENT)
-    return _LEN.pack(len(raw)) + raw
+    pad = -len(raw) % ALIGNMENT
+    if data_start_mod is not None:
+        pad = (data_start_mod - 8 - len(raw)) % PAGE
+    return _LEN.pack(len(raw) + pad) + raw + b" " * pad
 
 
 def layout(shapes: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, TensorSlot]:

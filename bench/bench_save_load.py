@@ -1,0 +1,260 @@
+"""Save / cold load / warm load throughput: shardpoint vs raw disk vs peer libraries.
+
+Everything is measured side by side in one run on the same disk:
+  raw O_DIRECT write/read of the same byte count (page-aligned buffers, 4 threads),
+  memcpy of the same state, torch.save/torch.load, safetensors save_file/load_file,
+  torch.distributed.checkpoint (FileSystemWriter thread_count 1 and 4), shardpoint.
+
+Every save is timed until its files are durable: peers that do not fsync get an fsync
+of their output files inside the timed region, as shardpoint does. "Cold" loads drop
+the page cache of the checkpoint files first. Prints a table, writes JSON.
+
+    python bench/bench_save_load.py [--dir DIR] [--reps 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import safetensors.torch as st
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+
+import shardpoint
+import shardpoint.storage.local as sp_local
+
+BLOCK = 16 * 1024 * 1024
+
+
+def large_state(n: int = 48, numel: int = 8 * 1024 * 1024) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"layer{i:02d}.weight": torch.randn(numel, generator=g) for i in range(n)}
+
+
+def small_state(n: int = 10_000) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"p{i:05d}": torch.randn(256 + (i * 37) % 3840, generator=g) for i in range(n)}
+
+
+def nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def files_under(path: Path) -> list[Path]:
+    return [p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file()]
+
+
+def fsync_all(path: Path) -> None:
+    for p in files_under(path):
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def drop_cache(path: Path) -> None:
+    """Evict the files' pages so the next read comes from the disk."""
+    os.sync()
+    for p in files_under(path):
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+    except OSError:
+        pass  # not root: fadvise above already evicted these files
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+# ---- raw disk and memory baselines -------------------------------------------------
+
+
+def raw_write(path: Path, size: int, threads: int = 4) -> None:
+    bufs = [mmap.mmap(-1, BLOCK) for _ in range(threads)]
+    for b in bufs:
+        b.write(os.urandom(4096) * (BLOCK // 4096))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+    blocks = range(0, size, BLOCK)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda i: os.pwrite(fd, bufs[i % threads], blocks[i]), range(len(blocks))))
+    os.fsync(fd)
+    os.close(fd)
+
+
+def raw_read(path: Path, size: int, threads: int = 4) -> None:
+    bufs = [mmap.mmap(-1, BLOCK) for _ in range(threads)]
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    blocks = range(0, size, BLOCK)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda i: os.preadv(fd, [bufs[i % threads]], blocks[i]), range(len(blocks))))
+    os.close(fd)
+
+
+def memcpy(state: dict[str, torch.Tensor], dest: dict[str, torch.Tensor]) -> None:
+    for k, v in state.items():
+        dest[k].copy_(v)
+
+
+# ---- the contenders ------------------------------------------------------------------
+
+
+def contenders(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Callable[[Path], object]]]:
+    def empty_like() -> dict[str, torch.Tensor]:
+        return {k: torch.empty_like(v) for k, v in state.items()}
+
+    def into_state(loaded: dict[str, torch.Tensor]) -> None:
+        # A load is done when the values sit in the training state, as after
+        # model.load_state_dict(torch.load(...)); it also makes lazily mmap-backed
+        # results (safetensors) actually read their bytes.
+        memcpy(loaded, empty_like())
+
+    def dcp_save(threads: int) -> Callable[[Path], None]:
+        def run(p: Path) -> None:
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(p), thread_count=threads))
+            fsync_all(p)
+
+        return run
+
+    def dcp_load(p: Path) -> None:
+        dcp.load(empty_like(), storage_reader=dcp.FileSystemReader(str(p)))
+
+    def sp_save(direct: bool) -> Callable[[Path], None]:
+        def run(p: Path) -> None:
+            saved = sp_local._DIRECT
+            sp_local._DIRECT = saved if direct else 0
+            try:
+                shardpoint.save(state, p)
+            finally:
+                sp_local._DIRECT = saved
+
+        return run
+
+    def torch_save(p: Path) -> None:
+        torch.save(state, p)
+        fsync_all(p)
+
+    def st_save(p: Path) -> None:
+        st.save_file(state, str(p))
+        fsync_all(p)
+
+    def sp_load(p: Path) -> None:
+        shardpoint.load(empty_like(), p)  # in place into the (freshly allocated) state
+
+    return {
+        "shardpoint": {"save": sp_save(True), "load": sp_load},
+        "shardpoint (buffered I/O)": {"save": sp_save(False), "load": sp_load},
+        "torch.save/load": {
+            "save": torch_save,
+            "load": lambda p: into_state(torch.load(p, weights_only=True)),
+        },
+        "safetensors": {"save": st_save, "load": lambda p: into_state(st.load_file(str(p)))},
+        "DCP thread_count=1": {"save": dcp_save(1), "load": dcp_load},
+        "DCP thread_count=4": {"save": dcp_save(4), "load": dcp_load},
+    }
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def measure(name: str, state: dict[str, torch.Tensor], root: Path, reps: int) -> dict[str, object]:
+    size = nbytes(state)
+    print(f"\n== {name}: {len(state)} tensors, {size / 1e9:.2f} GB, {reps} reps (median) ==")
+    rows: dict[str, dict[str, float]] = {}
+    raw = root / "raw.bin"
+    w, r = [], []
+    for _ in range(reps):
+        remove(raw)
+        w.append(timed(lambda: raw_write(raw, size)))
+        drop_cache(raw)
+        r.append(timed(lambda: raw_read(raw, size)))
+    remove(raw)
+    rows["raw O_DIRECT"] = {"save": statistics.median(w), "cold": statistics.median(r)}
+    dest = {k: torch.empty_like(v) for k, v in state.items()}
+    memcpy(state, dest)
+    rows["memcpy"] = {"save": statistics.median(timed(lambda: memcpy(state, dest)) for _ in range(reps))}
+    del dest
+    rows["xxh3 checksum"] = {
+        "save": statistics.median(
+            timed(lambda: [xxhash.xxh3_64_intdigest(t.numpy()) for t in state.values()])
+            for _ in range(reps)
+        )
+    }
+
+    for label, ops in contenders(state).items():
+        times: dict[str, list[float]] = {"save": [], "cold": [], "warm": []}
+        for _ in range(reps):
+            out = root / "out"
+            remove(out)
+            times["save"].append(timed(lambda: ops["save"](out)))
+            drop_cache(out)
+            times["cold"].append(timed(lambda: ops["load"](out)))
+            times["warm"].append(timed(lambda: ops["load"](out)))
+            remove(out)
+        rows[label] = {k: statistics.median(v) for k, v in times.items()}
+        print(f"  {label}: " + ", ".join(f"{k} {size / v / 1e9:.2f} GB/s" for k, v in rows[label].items()))
+
+    table(name, size, rows)
+    return {"tensors": len(state), "bytes": size, "seconds": rows}
+
+
+def table(name: str, size: int, rows: dict[str, dict[str, float]]) -> None:
+    raw = rows["raw O_DIRECT"]
+    print(f"\n{name}  ({size / 1e9:.2f} GB)   GB/s (ratio to raw O_DIRECT)")
+    print(f"{'':28}{'save':>18}{'cold load':>18}{'warm load':>18}")
+    for label, row in rows.items():
+        cells = []
+        for key, base in (("save", raw["save"]), ("cold", raw["cold"]), ("warm", raw["cold"])):
+            if key in row:
+                cells.append(f"{size / row[key] / 1e9:7.2f} ({base / row[key]:4.2f}x)")
+            else:
+                cells.append("")
+        print(f"{label:28}" + "".join(f"{c:>18}" for c in cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, default=None, help="scratch directory on the disk to test")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a small state, to check the script runs")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/save_load.json"))
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="shardpoint-bench-", dir=args.dir))
+    try:
+        if args.quick:
+            cases = {"large": large_state(4, 1024 * 1024), "small": small_state(500)}
+        else:
+            cases = {"large (48 x 32 MB fp32)": large_state(), "small (10,000 tensors)": small_state()}
+        results = {
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+            "shardpoint": shardpoint.__version__,
+            "cases": {name: measure(name, state, root, args.reps) for name, state in cases.items()},
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
