@@ -86,25 +86,35 @@ def remove(path: Path) -> None:
 # ---- raw disk and memory baselines -------------------------------------------------
 
 
-def raw_write(path: Path, size: int, threads: int = 4) -> None:
-    bufs = [mmap.mmap(-1, BLOCK) for _ in range(threads)]
-    for b in bufs:
-        b.write(os.urandom(4096) * (BLOCK // 4096))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
-    blocks = range(0, size, BLOCK)
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda i: os.pwrite(fd, bufs[i % threads], blocks[i]), range(len(blocks))))
-    os.fsync(fd)
-    os.close(fd)
+class RawDisk:
+    """The disk's own speed: O_DIRECT sequential I/O of page-aligned buffers, 16 MB
+    blocks, 4 threads, buffers prepared outside the timed region."""
 
+    def __init__(self, threads: int = 4) -> None:
+        self.threads = threads
+        self.bufs = [mmap.mmap(-1, BLOCK) for _ in range(threads)]
+        for b in self.bufs:
+            b.write(os.urandom(4096) * (BLOCK // 4096))
 
-def raw_read(path: Path, size: int, threads: int = 4) -> None:
-    bufs = [mmap.mmap(-1, BLOCK) for _ in range(threads)]
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    blocks = range(0, size, BLOCK)
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda i: os.preadv(fd, [bufs[i % threads]], blocks[i]), range(len(blocks))))
-    os.close(fd)
+    def _run(self, fd: int, size: int, io: Callable[[int, mmap.mmap, int], int]) -> None:
+        blocks = range(0, size, BLOCK)
+        with ThreadPoolExecutor(self.threads) as pool:
+            list(
+                pool.map(
+                    lambda i: io(fd, self.bufs[i % self.threads], blocks[i]), range(len(blocks))
+                )
+            )
+
+    def write(self, path: Path, size: int) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+        self._run(fd, size, os.pwrite)
+        os.fsync(fd)
+        os.close(fd)
+
+    def read(self, path: Path, size: int) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        self._run(fd, size, lambda f, b, o: os.preadv(f, [b], o))
+        os.close(fd)
 
 
 def memcpy(state: dict[str, torch.Tensor], dest: dict[str, torch.Tensor]) -> None:
@@ -115,15 +125,14 @@ def memcpy(state: dict[str, torch.Tensor], dest: dict[str, torch.Tensor]) -> Non
 # ---- the contenders ------------------------------------------------------------------
 
 
-def contenders(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Callable[[Path], object]]]:
-    def empty_like() -> dict[str, torch.Tensor]:
-        return {k: torch.empty_like(v) for k, v in state.items()}
+def contenders(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Callable[..., object]]]:
+    """label -> {"save": f(path), "load": f(path, dest)}.
 
-    def into_state(loaded: dict[str, torch.Tensor]) -> None:
-        # A load is done when the values sit in the training state, as after
-        # model.load_state_dict(torch.load(...)); it also makes lazily mmap-backed
-        # results (safetensors) actually read their bytes.
-        memcpy(loaded, empty_like())
+    Every load ends with the values inside ``dest``, a live state that already exists
+    (as a model's parameters do): in place where the library can, else load then copy,
+    as ``model.load_state_dict(torch.load(...))`` does. The copy also makes lazily
+    mmap-backed results (safetensors) actually read their bytes.
+    """
 
     def dcp_save(threads: int) -> Callable[[Path], None]:
         def run(p: Path) -> None:
@@ -131,9 +140,6 @@ def contenders(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Callable[[
             fsync_all(p)
 
         return run
-
-    def dcp_load(p: Path) -> None:
-        dcp.load(empty_like(), storage_reader=dcp.FileSystemReader(str(p)))
 
     def sp_save(direct: bool) -> Callable[[Path], None]:
         def run(p: Path) -> None:
@@ -154,25 +160,42 @@ def contenders(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Callable[[
         st.save_file(state, str(p))
         fsync_all(p)
 
-    def sp_load(p: Path) -> None:
-        shardpoint.load(empty_like(), p)  # in place into the (freshly allocated) state
+    def sp_load(direct: bool) -> Callable[[Path, dict[str, torch.Tensor]], None]:
+        def run(p: Path, dest: dict[str, torch.Tensor]) -> None:
+            saved = sp_local._DIRECT
+            sp_local._DIRECT = saved if direct else 0
+            try:
+                shardpoint.load(dest, p)
+            finally:
+                sp_local._DIRECT = saved
+
+        return run
 
     return {
-        "shardpoint": {"save": sp_save(True), "load": sp_load},
-        "shardpoint (buffered I/O)": {"save": sp_save(False), "load": sp_load},
+        "shardpoint": {"save": sp_save(True), "load": sp_load(True)},
+        "shardpoint (buffered I/O)": {"save": sp_save(False), "load": sp_load(False)},
         "torch.save/load": {
             "save": torch_save,
-            "load": lambda p: into_state(torch.load(p, weights_only=True)),
+            "load": lambda p, dest: memcpy(torch.load(p, weights_only=True), dest),
         },
-        "safetensors": {"save": st_save, "load": lambda p: into_state(st.load_file(str(p)))},
-        "DCP thread_count=1": {"save": dcp_save(1), "load": dcp_load},
-        "DCP thread_count=4": {"save": dcp_save(4), "load": dcp_load},
+        "safetensors": {
+            "save": st_save,
+            "load": lambda p, dest: memcpy(st.load_file(str(p)), dest),
+        },
+        "DCP thread_count=1": {
+            "save": dcp_save(1),
+            "load": lambda p, dest: dcp.load(dest, storage_reader=dcp.FileSystemReader(str(p))),
+        },
+        "DCP thread_count=4": {
+            "save": dcp_save(4),
+            "load": lambda p, dest: dcp.load(dest, storage_reader=dcp.FileSystemReader(str(p))),
+        },
     }
 
 
-def timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[..., object], *args: object) -> float:
     t = time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - t
 
 
@@ -182,17 +205,18 @@ def measure(name: str, state: dict[str, torch.Tensor], root: Path, reps: int) ->
     rows: dict[str, dict[str, float]] = {}
     raw = root / "raw.bin"
     w, r = [], []
+    disk = RawDisk()
     for _ in range(reps):
         remove(raw)
-        w.append(timed(lambda: raw_write(raw, size)))
+        w.append(timed(disk.write, raw, size))
         drop_cache(raw)
-        r.append(timed(lambda: raw_read(raw, size)))
+        r.append(timed(disk.read, raw, size))
     remove(raw)
     rows["raw O_DIRECT"] = {"save": statistics.median(w), "cold": statistics.median(r)}
-    dest = {k: torch.empty_like(v) for k, v in state.items()}
-    memcpy(state, dest)
-    rows["memcpy"] = {"save": statistics.median(timed(lambda: memcpy(state, dest)) for _ in range(reps))}
-    del dest
+    copy = {k: torch.empty_like(v) for k, v in state.items()}
+    memcpy(state, copy)
+    rows["memcpy"] = {"save": statistics.median(timed(memcpy, state, copy) for _ in range(reps))}
+    del copy
     rows["xxh3 checksum"] = {
         "save": statistics.median(
             timed(lambda: [xxhash.xxh3_64_intdigest(t.numpy()) for t in state.values()])
@@ -200,18 +224,27 @@ def measure(name: str, state: dict[str, torch.Tensor], root: Path, reps: int) ->
         )
     }
 
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}  # the live state, faulted in
     for label, ops in contenders(state).items():
         times: dict[str, list[float]] = {"save": [], "cold": [], "warm": []}
         for _ in range(reps):
             out = root / "out"
             remove(out)
-            times["save"].append(timed(lambda: ops["save"](out)))
+            times["save"].append(timed(ops["save"], out))
             drop_cache(out)
-            times["cold"].append(timed(lambda: ops["load"](out)))
-            times["warm"].append(timed(lambda: ops["load"](out)))
+            times["cold"].append(timed(ops["load"], out, dest))
+            times["warm"].append(timed(ops["load"], out, dest))
             remove(out)
+        assert all(torch.equal(dest[k], v) for k, v in state.items()), (
+            f"{label} loaded wrong values"
+        )
+        for t in dest.values():
+            t.zero_()
         rows[label] = {k: statistics.median(v) for k, v in times.items()}
-        print(f"  {label}: " + ", ".join(f"{k} {size / v / 1e9:.2f} GB/s" for k, v in rows[label].items()))
+        print(
+            f"  {label}: "
+            + ", ".join(f"{k} {size / v / 1e9:.2f} GB/s" for k, v in rows[label].items())
+        )
 
     table(name, size, rows)
     return {"tensors": len(state), "bytes": size, "seconds": rows}
@@ -232,10 +265,16 @@ def table(name: str, size: int, rows: dict[str, dict[str, float]]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", type=Path, default=None, help="scratch directory on the disk to test")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="scratch directory on the disk to test"
+    )
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="a small state, to check the script runs")
+    parser.add_argument(
+        "--quick", action="store_true", help="a small state, to check the script runs"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/save_load.json"))
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="shardpoint-bench-", dir=args.dir))
@@ -243,9 +282,16 @@ def main() -> None:
         if args.quick:
             cases = {"large": large_state(4, 1024 * 1024), "small": small_state(500)}
         else:
-            cases = {"large (48 x 32 MB fp32)": large_state(), "small (10,000 tensors)": small_state()}
+            cases = {
+                "large (48 x 32 MB fp32)": large_state(),
+                "small (10,000 tensors)": small_state(),
+            }
         results = {
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "torch": torch.__version__,
+            },
             "shardpoint": shardpoint.__version__,
             "cases": {name: measure(name, state, root, args.reps) for name, state in cases.items()},
         }
