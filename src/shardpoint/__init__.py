@@ -18,6 +18,10 @@ from .errors import (  # noqa: E402
 from .loading import load  # noqa: E402
 from .reader import CheckpointReader, TensorSlice  # noqa: E402
 from .saving import SaveInfo, save  # noqa: E402
+from .training.data import ResumableLoader, ResumableSampler  # noqa: E402
+from .training.manager import CheckpointManager  # noqa: E402
+from .training.retention import RetentionPolicy  # noqa: E402
+from .training.train_state import TrainState  # noqa: E402
 from .tree import Stateful  # noqa: E402
 from .verify import FileReport, VerifyReport, verify  # noqa: E402
 
@@ -29,15 +33,20 @@ def open(path: str) -> CheckpointReader:  # noqa: A001 - the contract name is `s
 
 __all__ = [
     "CheckpointError",
+    "CheckpointManager",
     "CheckpointExistsError",
     "CheckpointReader",
     "CorruptCheckpointError",
     "FileReport",
     "IncompleteCheckpointError",
+    "ResumableLoader",
+    "ResumableSampler",
+    "RetentionPolicy",
     "SaveInfo",
     "StateMismatchError",
     "Stateful",
     "TensorSlice",
+    "TrainState",
     "UnsupportedValueError",
     "VerifyReport",
     "__version__",

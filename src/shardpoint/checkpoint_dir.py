@@ -7,7 +7,9 @@ before reading a single tensor byte.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 from .format.index import (
@@ -20,7 +22,7 @@ from .format.index import (
     parse_index,
 )
 from .format.safetensors import Header, header_length, parse_header
-from .storage.local import LocalDirectory
+from .storage.local import LocalDirectory, fsync_directory
 
 
 @dataclass
@@ -98,3 +100,29 @@ def open_committed(path: str | os.PathLike[str]) -> CommittedCheckpoint:
                 "load an earlier one"
             )
     return CommittedCheckpoint(storage, index)
+
+
+# Every name a save writes; anything else in a checkpoint directory is not ours.
+OWN_FILE = re.compile(r"^(index\.json|COMMITTED|rank\d{5}-\d{5}\.safetensors)(\.tmp)?$")
+
+
+def foreign_files(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if not OWN_FILE.match(p.name))
+
+
+def delete_checkpoint(root: Path) -> None:
+    """Remove a checkpoint directory, commit marker first.
+
+    Once the marker is gone no reader takes the directory for a checkpoint, so a crash
+    halfway leaves an uncommitted leftover, never a damaged "valid" checkpoint. Files
+    that are not shardpoint's are left alone (and keep the directory).
+    """
+    marker = root / MARKER_NAME
+    if marker.exists():
+        marker.unlink()
+        fsync_directory(root)
+    for p in root.iterdir():
+        if OWN_FILE.match(p.name):
+            p.unlink()
+    if not any(root.iterdir()):
+        root.rmdir()

@@ -123,7 +123,7 @@ class ReadPlan:
             self.targets[entry.name] = _Target(staging)
         return self.targets[entry.name].staging
 
-    def run(self, *, threads: int, verify: bool) -> None:
+    def run(self, *, threads: int, verify: bool, direct: bool = True) -> None:
         requests: dict[str, list[Segment]] = {}
         checks: list[tuple[TensorEntry, Chunk, torch.Tensor]] = []
         regions: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -140,7 +140,7 @@ class ReadPlan:
                 checks.append((entry, chunk, flat))
                 if not whole:
                     regions.append((_region(target.staging, chunk), buf))
-        self.ckpt.storage.read_ranges(requests, threads=threads)
+        self.ckpt.storage.read_ranges(requests, threads=threads, direct=direct)
         if verify:
             with ThreadPoolExecutor(max_workers=max(threads, 1)) as pool:
                 map_batched(

@@ -64,7 +64,7 @@ class CheckpointReader:
         self._require(name)
         plan = ReadPlan(self._ckpt)
         tensor = plan.fresh(name)
-        plan.run(threads=1, verify=verify)
+        plan.run(threads=1, verify=verify, direct=False)
         return tensor
 
     def get_slice(self, name: str) -> TensorSlice:
@@ -78,7 +78,7 @@ class CheckpointReader:
             return decode(self._ckpt.index.tree, self.entry)
         plan = ReadPlan(self._ckpt)
         loaded = {name: plan.fresh(name) for name in self.keys()}  # tied names share a tensor
-        plan.run(threads=1, verify=True)
+        plan.run(threads=1, verify=True, direct=False)
         return decode(self._ckpt.index.tree, loaded.__getitem__)
 
     def _read_rows(self, entry: TensorEntry, chunk: Chunk, lo: int, hi: int) -> torch.Tensor:
@@ -94,7 +94,7 @@ class CheckpointReader:
         if out.numel():
             flat = out.reshape(-1).view(torch.uint8)
             self._ckpt.storage.read_ranges(
-                {chunk.file: [Segment(chunk.begin + lo * row_bytes, flat)]}, threads=1
+                {chunk.file: [Segment(chunk.begin + lo * row_bytes, flat)]}, threads=1, direct=False
             )
         return out.reshape(chunk.shape) if not chunk.shape else out
 

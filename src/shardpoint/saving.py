@@ -9,7 +9,6 @@ directory without a marker, which no reader accepts as a checkpoint.
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ from typing import Any, NoReturn
 import torch
 
 from . import __version__
+from .checkpoint_dir import foreign_files
 from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
 from .format.index import (
     INDEX_NAME,
@@ -41,7 +41,6 @@ from .tree import flatten
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
 DEFAULT_THREADS = 4
 SHARD_METADATA = {"format": "pt"}  # what the Hugging Face loaders expect in each file
-_LEFTOVER = re.compile(r"^(index\.json|COMMITTED|rank\d{5}-\d{5}\.safetensors)(\.tmp)?$")
 
 
 @dataclass(frozen=True)
@@ -239,11 +238,11 @@ def _prepare_directory(root: Path) -> None:
     if root.exists():
         if not root.is_dir():
             raise CheckpointError(f"{root}: exists and is not a directory; choose another path")
-        foreign = [p.name for p in root.iterdir() if not _LEFTOVER.match(p.name)]
+        foreign = foreign_files(root)
         if foreign:
             raise CheckpointError(
                 f"{root}: directory holds files that are not from an unfinished shardpoint save "
-                f"({sorted(foreign)[:3]}); save to an empty or new directory"
+                f"({foreign[:3]}); save to an empty or new directory"
             )
         for p in root.iterdir():  # leftovers of a crashed save, never committed
             p.unlink()

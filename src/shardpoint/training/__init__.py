@@ -1,0 +1,1 @@
+"""Resumable training on top of save/load: TrainState, data position, RNG, CheckpointManager."""

@@ -1,0 +1,277 @@
+"""``CheckpointManager``: when to save, which checkpoints to keep, where to resume from.
+
+The manager decides *when* and *what to keep*; ``shardpoint.save``/``load`` below it
+know *how*. Layout: ``DIR/step-000001000/`` per checkpoint, ``DIR/events.jsonl`` for
+the event log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint_dir import delete_checkpoint, foreign_files
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ..format.index import MARKER_NAME
+from ..loading import load
+from ..reader import CheckpointReader
+from ..saving import DEFAULT_MAX_SHARD_BYTES, DEFAULT_THREADS, SaveInfo, save
+from .retention import KeptCheckpoint, RetentionPolicy
+
+_STEP_DIR = re.compile(r"^step-(\d{9,})$")
+
+
+class EventLog:
+    """Append-only JSON lines: one object per save, restore, fallback, deletion, signal."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def write(self, event: str, **fields: Any) -> None:
+        record = {"event": event, "time": round(time.time(), 3), **fields}
+        with self._lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+
+class CheckpointManager:
+    """Periodic checkpoints of a training job, retention, preemption and restore.
+
+    >>> manager = CheckpointManager("runs/exp1", every_n_steps=500, keep_last=3)  # doctest: +SKIP
+    >>> start = manager.restore(state) or 0                                       # doctest: +SKIP
+    >>> for step in range(start + 1, total + 1):                                  # doctest: +SKIP
+    ...     train_step()
+    ...     manager.maybe_save(step, state)
+    ...     if manager.should_stop:
+    ...         raise SystemExit(manager.exit_code)
+
+    ``verify`` chooses how ``restore`` checks a candidate: ``"full"`` recomputes every
+    checksum while loading; ``"fast"`` checks marker, index, file sizes and headers.
+    ``preemption_signals`` (default SIGTERM) make the next ``maybe_save`` save at once
+    and then set ``should_stop``.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        every_n_steps: int | None = None,
+        every_n_seconds: float | None = None,
+        keep_last: int | None = 3,
+        keep_every_n_steps: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        verify: str = "full",
+        preemption_signals: Iterable[int] = (signal.SIGTERM,),
+        max_shard_size: int = DEFAULT_MAX_SHARD_BYTES,
+        threads: int = DEFAULT_THREADS,
+    ) -> None:
+        if verify not in ("full", "fast"):
+            raise ValueError("verify must be 'full' or 'fast'")
+        if keep_best and not best_metric:
+            raise ValueError("keep_best needs best_metric: the metrics key to rank checkpoints by")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.every_n_steps = every_n_steps
+        self.every_n_seconds = every_n_seconds
+        self.policy = RetentionPolicy(keep_last, keep_every_n_steps, keep_best, best_mode)
+        self.best_metric = best_metric
+        self.verify = verify
+        self.max_shard_size = max_shard_size
+        self.threads = threads
+        self.events = EventLog(self.directory / "events.jsonl")
+        self._last_save = time.monotonic()
+        self._signal: int | None = None
+        self._stop = False
+        self._previous_handlers: dict[int, Any] = {}
+        self._install_handlers(preemption_signals)
+        self._remove_leftovers()
+
+    # ---- where checkpoints live ---------------------------------------------------------
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"step-{step:09d}"
+
+    def _step_dirs(self) -> dict[int, Path]:
+        out = {}
+        for p in self.directory.iterdir():
+            m = _STEP_DIR.match(p.name)
+            if m and p.is_dir():
+                out[int(m.group(1))] = p
+        return out
+
+    def steps(self) -> list[int]:
+        """Steps of committed checkpoints, oldest first (committed, not necessarily valid)."""
+        return sorted(s for s, p in self._step_dirs().items() if (p / MARKER_NAME).exists())
+
+    def _remove_leftovers(self) -> None:
+        """Delete step directories a crashed save (or deletion) left without a marker."""
+        for step, path in self._step_dirs().items():
+            if not (path / MARKER_NAME).exists() and not foreign_files(path):
+                delete_checkpoint(path)
+                self.events.write("cleanup", step=step, path=str(path))
+
+    # ---- restore --------------------------------------------------------------------------
+
+    def restore(self, state: Any) -> int | None:
+        """Load the newest valid checkpoint into ``state``; returns its step, or None.
+
+        A damaged or incomplete newest checkpoint is skipped with a warning and the
+        previous one is tried. ``StateMismatchError`` (the state does not fit) is raised:
+        an older checkpoint would not fit either.
+        """
+        for step in reversed(self.steps()):
+            path = self.path_for(step)
+            start = time.perf_counter()
+            try:
+                load(state, path, verify=self.verify == "full", threads=self.threads)
+            except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+                warnings.warn(
+                    f"checkpoint at step {step} is not usable ({exc}); falling back to the "
+                    "previous checkpoint",
+                    stacklevel=2,
+                )
+                self.events.write("fallback", step=step, path=str(path), error=str(exc))
+                continue
+            self.events.write(
+                "restore", step=step, path=str(path), seconds=round(time.perf_counter() - start, 4)
+            )
+            return step
+        return None
+
+    # ---- save -----------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        if self._signal is not None:
+            return True
+        if self.every_n_steps and step % self.every_n_steps == 0:
+            return True
+        return bool(
+            self.every_n_seconds and time.monotonic() - self._last_save >= self.every_n_seconds
+        )
+
+    def maybe_save(self, step: int, state: Any, *, metrics: dict[str, float] | None = None) -> bool:
+        """Save if the interval rules (or a preemption signal) say so; True if it saved."""
+        return self.save(step, state, metrics=metrics) is not None
+
+    def save(
+        self, step: int, state: Any, *, force: bool = False, metrics: dict[str, float] | None = None
+    ) -> SaveInfo | None:
+        """Save ``state`` as the checkpoint of ``step`` if the interval rules (or a
+        preemption signal) say so, or always with ``force``; then apply retention.
+
+        Returns None when nothing was saved: not due, or ``step`` already committed
+        (e.g. a preemption right after a periodic save).
+        """
+        if not force and not self.should_save(step):
+            return None
+        path = self.path_for(step)
+        if (path / MARKER_NAME).exists():
+            self._after_save()
+            return None
+        info = save(
+            state,
+            path,
+            max_shard_size=self.max_shard_size,
+            threads=self.threads,
+            metadata={"step": step, "metrics": dict(metrics or {})},
+        )
+        self.events.write(
+            "save",
+            step=step,
+            path=str(path),
+            bytes=info.bytes_written,
+            files=info.files,
+            seconds=round(info.seconds, 4),
+            blocked_seconds=round(info.seconds, 4),
+            gb_per_s=round(info.bytes_written / max(info.seconds, 1e-9) / 1e9, 3),
+            metrics=dict(metrics or {}),
+            reason="preemption" if self._signal is not None else "interval",
+        )
+        self._apply_retention()
+        self._after_save()
+        return info
+
+    def _after_save(self) -> None:
+        self._last_save = time.monotonic()
+        if self._signal is not None:
+            self._stop = True
+
+    def _apply_retention(self) -> None:
+        candidates = []
+        for step in self.steps():
+            metric = None
+            if self.best_metric:
+                try:
+                    with CheckpointReader(self.path_for(step)) as r:
+                        metric = r.metadata["user"].get("metrics", {}).get(self.best_metric)
+                except CheckpointError:
+                    pass  # unreadable: no metric, kept or dropped by the other rules
+            candidates.append(KeptCheckpoint(step, metric))
+        keep = self.policy.keep(candidates)
+        for c in candidates:
+            if c.step not in keep:
+                delete_checkpoint(self.path_for(c.step))
+                self.events.write("delete", step=c.step, path=str(self.path_for(c.step)))
+
+    # ---- preemption ---------------------------------------------------------------------------
+
+    def _install_handlers(self, signals: Iterable[int]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn(
+                "CheckpointManager created outside the main thread: preemption signals are "
+                "not handled",
+                stacklevel=3,
+            )
+            return
+        for sig in signals:
+            self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # Only set a flag here: saving inside a signal handler could interrupt a save.
+        self._signal = signum
+
+    @property
+    def preempted(self) -> bool:
+        """A preemption signal arrived (the next ``maybe_save`` will save)."""
+        return self._signal is not None
+
+    @property
+    def should_stop(self) -> bool:
+        """A preemption signal arrived and the final checkpoint is committed: exit now."""
+        return self._stop
+
+    @property
+    def exit_code(self) -> int:
+        """0, or 128 + the signal number after a preemption (143 for SIGTERM): the
+        convention schedulers and wrappers read as "terminated by a signal, requeue"."""
+        return 128 + self._signal if self._signal is not None else 0
+
+    def close(self) -> None:
+        """Restore the signal handlers that were installed before this manager."""
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers.clear()
+        if self._signal is not None:
+            self.events.write("preempted", signal=self._signal, saved=self._stop)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
