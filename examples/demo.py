@@ -22,7 +22,9 @@ def make(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where to write (default: a temp dir)"
+    )
     args = parser.parse_args()
     root = args.dir or Path(tempfile.mkdtemp(prefix="shardpoint-demo-"))
 
@@ -35,7 +37,9 @@ def main() -> None:
         opt.step()
     path = root / "step-5"
     info = shardpoint.save({"model": model, "optim": opt, "step": 5}, path)
-    print(f"saved {info.tensors} tensors, {info.bytes_written} bytes, {info.files} file(s) to {path}")
+    print(
+        f"saved {info.tensors} tensors, {info.bytes_written} bytes, {info.files} file(s) to {path}"
+    )
 
     model2, opt2 = make(1)  # different initial weights
     state = {"model": model2, "optim": opt2, "step": 0}

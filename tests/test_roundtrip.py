@@ -245,10 +245,18 @@ def test_loads_through_the_page_cache_and_with_direct_io_agree(ckpt_dir, monkeyp
 
     monkeypatch.setattr(local, "_in_page_cache", lambda path, segments: cached)
     torch.manual_seed(3)
-    state = {"big": torch.randn(2, 1024 * 1024), "odd": torch.randn(300_001), "small": torch.randn(7)}
+    state = {
+        "big": torch.randn(2, 1024 * 1024),
+        "odd": torch.randn(300_001),
+        "small": torch.randn(7),
+    }
     shardpoint.save(state, ckpt_dir)
     # a destination that is not page-congruent with the file: a view 3 floats into a buffer
     backing = torch.zeros(2 * 1024 * 1024 + 3)
-    dest = {"big": backing[3:].view(2, 1024 * 1024), "odd": torch.zeros(300_001), "small": torch.zeros(7)}
+    dest = {
+        "big": backing[3:].view(2, 1024 * 1024),
+        "odd": torch.zeros(300_001),
+        "small": torch.zeros(7),
+    }
     shardpoint.load(dest, ckpt_dir)
     assert all(torch.equal(dest[k], state[k]) for k in state)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +21,6 @@ from .errors import CorruptCheckpointError, StateMismatchError
 from .format.index import Chunk, TensorEntry, checksum
 from .format.safetensors import DTYPES
 from .gc_pause import gc_paused
-from .parallel import map_batched
 from .saving import DEFAULT_THREADS
 from .storage.local import Segment
 from .tensor_memory import flat_bytes, plain
@@ -125,7 +123,7 @@ class ReadPlan:
 
     def run(self, *, threads: int, verify: bool, direct: bool = True) -> None:
         requests: dict[str, list[Segment]] = {}
-        checks: list[tuple[TensorEntry, Chunk, torch.Tensor]] = []
+        checks: dict[int, tuple[TensorEntry, Chunk]] = {}  # id(segment) -> what it holds
         regions: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, target in self.targets.items():
             entry = self.ckpt.index.entries[name]
@@ -135,17 +133,18 @@ class ReadPlan:
                 buf = (
                     target.staging if whole else torch.empty(chunk.shape, dtype=DTYPES[entry.dtype])
                 )
-                flat = flat_bytes(buf)
-                requests.setdefault(chunk.file, []).append(Segment(chunk.begin, flat))
-                checks.append((entry, chunk, flat))
+                segment = Segment(chunk.begin, flat_bytes(buf))
+                requests.setdefault(chunk.file, []).append(segment)
+                checks[id(segment)] = (entry, chunk)
                 if not whole:
                     regions.append((_region(target.staging, chunk), buf))
-        self.ckpt.storage.read_ranges(requests, threads=threads, direct=direct)
-        if verify:
-            with ThreadPoolExecutor(max_workers=max(threads, 1)) as pool:
-                map_batched(
-                    pool, lambda c: _verify_chunk(self.ckpt, *c), checks, lambda c: c[2].nbytes
-                )()
+
+        def verify_segment(segment: Segment) -> None:
+            _verify_chunk(self.ckpt, *checks[id(segment)], segment.array)
+
+        self.ckpt.storage.read_ranges(
+            requests, threads=threads, direct=direct, on_segment=verify_segment if verify else None
+        )
         for region, buf in regions:
             region.copy_(buf)
         for target in self.targets.values():
@@ -154,10 +153,8 @@ class ReadPlan:
                     dest.copy_(target.staging)
 
 
-def _verify_chunk(
-    ckpt: CommittedCheckpoint, entry: TensorEntry, chunk: Chunk, buf: torch.Tensor
-) -> None:
-    if checksum(buf.numpy()) != chunk.checksum:
+def _verify_chunk(ckpt: CommittedCheckpoint, entry: TensorEntry, chunk: Chunk, data: Any) -> None:
+    if checksum(data) != chunk.checksum:
         raise CorruptCheckpointError(
             f"{ckpt.storage.path(chunk.file)}: checksum mismatch in {entry.name!r} "
             f"(bytes {chunk.begin}-{chunk.end}); the file is corrupt, load an earlier checkpoint"

@@ -79,6 +79,28 @@ class _BouncePool:
 _BOUNCE = _BouncePool()
 
 
+class _Completion:
+    """Counts the bytes still to arrive per segment; calls back when one is complete."""
+
+    def __init__(self, segments: list[Segment], callback: Callable[[Segment], None] | None) -> None:
+        self.callback = callback
+        self.left = {id(s): s.end - s.offset for s in segments}
+        self.lock = threading.Lock()
+        if callback:
+            for s in segments:
+                if s.end == s.offset:
+                    callback(s)
+
+    def add(self, s: Segment, n: int) -> None:
+        if self.callback is None:
+            return
+        with self.lock:
+            self.left[id(s)] -= n
+            complete = self.left[id(s)] == 0
+        if complete:
+            self.callback(s)
+
+
 def _in_page_cache(path: Path, segments: list[Segment]) -> bool:
     """Whether the first, middle and last byte wanted are cached (non-blocking probes)."""
     flag = getattr(os, "RWF_NOWAIT", None)
@@ -221,7 +243,12 @@ class LocalDirectory:
                 os.close(fd)
 
     def read_ranges(
-        self, requests: dict[str, list[Segment]], *, threads: int, direct: bool = True
+        self,
+        requests: dict[str, list[Segment]],
+        *,
+        threads: int,
+        direct: bool = True,
+        on_segment: Callable[[Segment], None] | None = None,
     ) -> None:
         """Fill every destination segment from its file (name -> segments), in parallel.
 
@@ -230,11 +257,13 @@ class LocalDirectory:
         buffered cold reads there), zero-copy into congruent tensors like writes.
         Either way small segments are coalesced into spans read through a bounce
         buffer, so 10,000 small tensors cost a handful of calls. ``direct=False`` always
-        reads through the cache (small lazy reads).
+        reads through the cache (small lazy reads). ``on_segment(s)`` runs on an I/O
+        thread as soon as all of ``s`` is in place, so checksums overlap the reads.
         """
         fds: list[int] = []
         try:
             jobs: list[Callable[[], None]] = []
+            done = _Completion([s for ss in requests.values() for s in ss], on_segment)
             for name, segments in requests.items():
                 path, where = self.path(name), str(self.path(name))
                 segments = sorted((s for s in segments if s.end > s.offset), key=lambda s: s.offset)
@@ -244,18 +273,20 @@ class LocalDirectory:
                 if use_direct:
                     interiors = _zero_copy_interiors(segments)
                     jobs.extend(
-                        _read_into(fd, s, lo, hi, where) for lo, hi, s in _blocks(interiors)
+                        _read_into(fd, s, lo, hi, where, done) for lo, hi, s in _blocks(interiors)
                     )
                     spans = _bounce_read_spans(segments, interiors)
-                    jobs.extend(_bounce_read(fd, segments, lo, hi, where) for lo, hi in spans)
+                    jobs.extend(_bounce_read(fd, segments, lo, hi, where, done) for lo, hi in spans)
                     continue
                 large = [s for s in segments if s.end - s.offset >= ZERO_COPY_MIN_BYTES]
                 small = [s for s in segments if s.end - s.offset < ZERO_COPY_MIN_BYTES]
                 for s in large:
                     jobs.extend(
-                        _read_into(fd, s, lo, hi, where) for lo, hi in _split(s.offset, s.end)
+                        _read_into(fd, s, lo, hi, where, done) for lo, hi in _split(s.offset, s.end)
                     )
-                jobs.extend(_bounce_read(fd, small, lo, hi, where) for lo, hi in _coalesce(small))
+                jobs.extend(
+                    _bounce_read(fd, small, lo, hi, where, done) for lo, hi in _coalesce(small)
+                )
             _run(jobs, threads)
         finally:
             for fd in fds:
@@ -396,16 +427,19 @@ def _truncated(where: str, byte: int) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{where}: file is truncated (ends before byte {byte})")
 
 
-def _read_into(fd: int, s: Segment, lo: int, hi: int, where: str) -> Callable[[], None]:
+def _read_into(
+    fd: int, s: Segment, lo: int, hi: int, where: str, done: _Completion
+) -> Callable[[], None]:
     def job() -> None:
         if _pread_into(fd, memoryview(s.array)[lo - s.offset : hi - s.offset], lo) != hi - lo:
             raise _truncated(where, hi)
+        done.add(s, hi - lo)
 
     return job
 
 
 def _bounce_read(
-    fd: int, segments: list[Segment], lo: int, hi: int, where: str
+    fd: int, segments: list[Segment], lo: int, hi: int, where: str, done: _Completion
 ) -> Callable[[], None]:
     def job() -> None:
         with _BOUNCE.buffer(lo) as buf:
@@ -415,5 +449,6 @@ def _bounce_read(
                 if b - lo > got:
                     raise _truncated(where, b)
                 _copy(s, buf, a, b)
+                done.add(s, b - a)
 
     return job

@@ -1,0 +1,191 @@
+"""CheckpointManager: intervals, retention, fallback to the previous valid checkpoint."""
+
+import json
+import signal
+
+import pytest
+import torch
+
+import shardpoint
+from shardpoint import CheckpointManager, RetentionPolicy
+from shardpoint.checkpoint_dir import delete_checkpoint
+from shardpoint.format.index import MARKER_NAME
+
+
+def _state(value: float) -> dict:
+    return {"w": torch.full((4,), value), "step": int(value)}
+
+
+def _manager(tmp_path, **kw) -> CheckpointManager:
+    kw.setdefault("preemption_signals", ())
+    return CheckpointManager(tmp_path / "ckpts", **kw)
+
+
+def test_saves_on_the_step_interval_only(tmp_path):
+    m = _manager(tmp_path, every_n_steps=5, keep_last=None)
+    saved = [s for s in range(1, 21) if m.maybe_save(s, _state(s))]
+    assert saved == [5, 10, 15, 20] and m.steps() == [5, 10, 15, 20]
+
+
+def test_saves_on_the_time_interval(tmp_path, monkeypatch):
+    import shardpoint.training.manager as mod
+
+    now = [1000.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: now[0])
+    m = _manager(tmp_path, every_n_seconds=60)
+    assert not m.maybe_save(1, _state(1))
+    now[0] += 61
+    assert m.maybe_save(2, _state(2))
+    now[0] += 30
+    assert not m.maybe_save(3, _state(3))
+
+
+def test_save_with_force_ignores_the_interval_and_a_committed_step_is_not_saved_twice(tmp_path):
+    m = _manager(tmp_path, every_n_steps=100)
+    assert m.save(7, _state(7)) is None
+    assert m.save(7, _state(7), force=True) is not None
+    assert m.save(7, _state(8), force=True) is None  # already committed, never rewritten
+
+
+def test_restore_returns_the_newest_step_and_loads_it(tmp_path):
+    m = _manager(tmp_path, every_n_steps=1, keep_last=None)
+    for s in (1, 2, 3):
+        m.save(s, _state(s))
+    dest = _state(0)
+    assert m.restore(dest) == 3
+    assert dest["w"].tolist() == [3.0] * 4 and dest["step"] == 3
+
+
+def test_restore_of_an_empty_directory_returns_none(tmp_path):
+    assert _manager(tmp_path).restore(_state(0)) is None
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "index", "marker-only"])
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage):
+    m = _manager(tmp_path, every_n_steps=1, keep_last=None)
+    for s in (1, 2):
+        m.save(s, _state(s))
+    newest = m.path_for(2)
+    shard = next(newest.glob("*.safetensors"))
+    if damage == "flip":
+        raw = bytearray(shard.read_bytes())
+        raw[-2] ^= 0xFF
+        shard.write_bytes(raw)
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-3])
+    elif damage == "index":
+        (newest / "index.json").write_text("{}")
+    else:
+        (newest / "index.json").unlink()
+    dest = _state(0)
+    with pytest.warns(UserWarning, match="checkpoint at step 2 is not usable"):
+        assert m.restore(dest) == 1
+    assert dest["w"].tolist() == [1.0] * 4
+    events = [json.loads(x) for x in (tmp_path / "ckpts" / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events][-2:] == ["fallback", "restore"]
+
+
+def test_fast_verification_skips_checksums(tmp_path):
+    m = _manager(tmp_path, every_n_steps=1, verify="fast")
+    m.save(1, _state(1))
+    shard = next(m.path_for(1).glob("*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0x01
+    shard.write_bytes(raw)
+    assert m.restore(_state(0)) == 1  # structure intact; only a full check sees the flip
+
+
+def test_retention_keeps_the_last_n(tmp_path):
+    m = _manager(tmp_path, every_n_steps=1, keep_last=2)
+    for s in range(1, 6):
+        m.save(s, _state(s))
+    assert m.steps() == [4, 5]
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == [
+        "events.jsonl",
+        "step-000000004",
+        "step-000000005",
+    ]
+
+
+def test_retention_keeps_every_nth_and_the_best(tmp_path):
+    m = _manager(
+        tmp_path,
+        every_n_steps=1,
+        keep_last=1,
+        keep_every_n_steps=4,
+        keep_best=2,
+        best_metric="loss",
+    )
+    losses = {1: 5.0, 2: 1.0, 3: 4.0, 4: 3.0, 5: 0.5, 6: 6.0, 7: 7.0, 8: 9.0, 9: 8.0}
+    for s, loss in losses.items():
+        m.save(s, _state(s), metrics={"loss": loss})
+    # last: 9; every 4th: 4, 8; best two losses: 5 (0.5), 2 (1.0)
+    assert m.steps() == [2, 4, 5, 8, 9]
+
+
+def test_retention_policy_never_drops_the_newest():
+    from shardpoint.training.retention import KeptCheckpoint
+
+    policy = RetentionPolicy(keep_last=1, keep_best=1, mode="max")
+    kept = policy.keep([KeptCheckpoint(1, 10.0), KeptCheckpoint(2, 1.0)])
+    assert kept == {1, 2}
+
+
+def test_a_crash_during_retention_never_leaves_zero_valid_checkpoints(tmp_path, monkeypatch):
+    import shardpoint.training.manager as mod
+
+    m = _manager(tmp_path, every_n_steps=1, keep_last=1)
+    m.save(1, _state(1))
+
+    def crash_after_marker(path):
+        (path / MARKER_NAME).unlink()  # the first thing deletion does, then the "crash"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mod, "delete_checkpoint", crash_after_marker)
+    with pytest.raises(KeyboardInterrupt):
+        m.save(2, _state(2))
+    monkeypatch.undo()
+    restarted = _manager(tmp_path, every_n_steps=1, keep_last=1)
+    assert restarted.steps() == [2]
+    assert not restarted.path_for(1).exists()  # the half-deleted leftover was cleaned up
+    dest = _state(0)
+    assert restarted.restore(dest) == 2
+
+
+def test_leftovers_of_a_crashed_save_are_removed_at_start(tmp_path):
+    m = _manager(tmp_path, every_n_steps=1)
+    m.save(1, _state(1))
+    shardpoint.save(_state(2), m.path_for(2))
+    (m.path_for(2) / MARKER_NAME).unlink()
+    restarted = _manager(tmp_path)
+    assert not m.path_for(2).exists() and restarted.steps() == [1]
+
+
+def test_delete_checkpoint_keeps_foreign_files(tmp_path):
+    shardpoint.save(_state(1), tmp_path / "c")
+    (tmp_path / "c" / "notes.txt").write_text("mine")
+    delete_checkpoint(tmp_path / "c")
+    assert [p.name for p in (tmp_path / "c").iterdir()] == ["notes.txt"]
+
+
+def test_a_preemption_signal_forces_a_save_and_sets_should_stop(tmp_path):
+    m = CheckpointManager(
+        tmp_path / "ckpts", every_n_steps=1000, preemption_signals=(signal.SIGUSR1,)
+    )
+    try:
+        assert not m.maybe_save(3, _state(3))
+        signal.raise_signal(signal.SIGUSR1)
+        assert m.preempted and not m.should_stop
+        assert m.maybe_save(4, _state(4))
+        assert m.should_stop and m.exit_code == 128 + signal.SIGUSR1
+        assert m.steps() == [4]
+    finally:
+        m.close()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_state_mismatch_is_raised_not_skipped(tmp_path):
+    m = _manager(tmp_path, every_n_steps=1)
+    m.save(1, _state(1))
+    with pytest.raises(shardpoint.StateMismatchError):
+        m.restore({"w": torch.zeros(5), "step": 0})

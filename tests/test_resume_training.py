@@ -1,0 +1,101 @@
+"""A training run killed at any point and resumed continues bit for bit.
+
+The run is examples/train_char_lm.py: a transformer with dropout, AdamW with a
+warmup/cosine schedule, a shuffling ResumableLoader with 2 workers, checkpoints every
+10 steps. A small corpus makes an epoch 19 steps, so runs cross epoch boundaries.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_char_lm.py"
+ARGS = ["--steps", "45", "--save-every", "10", "--corpus-bytes", "10000", "--batch-size", "16"]
+
+pytestmark = pytest.mark.slow
+
+
+def train(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--run-dir", str(run_dir), *ARGS, *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def losses(run_dir: Path) -> dict[int, str]:
+    """The loss of every step; a step re-run after a resume overrides the crashed run's."""
+    out = {}
+    for line in (run_dir / "losses.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out[record["step"]] = record["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("reference")
+    done = train(run)
+    assert done.returncode == 0, done.stderr
+    return run
+
+
+@pytest.mark.parametrize(
+    "crash_at, phase, resumes_from",
+    [
+        (7, "after-step", "starting"),  # before the first checkpoint: starts over
+        (13, "after-step", "resuming from step 10"),  # mid-epoch
+        (20, "after-step", "resuming from step 20"),  # right after a save
+        (30, "during-save", "resuming from step 20"),  # shards written, never committed
+        (19, "after-step", "resuming from step 10"),  # last step of the first epoch
+        (41, "after-step", "resuming from step 40"),  # in the third epoch
+    ],
+)
+def test_killed_run_resumes_bit_identical(tmp_path, reference, crash_at, phase, resumes_from):
+    crashed = train(tmp_path, "--crash-at", str(crash_at), "--crash-phase", phase)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    resumed = train(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumes_from in resumed.stdout
+    expected, got = losses(reference), losses(tmp_path)
+    assert sorted(got) == list(range(1, 46))
+    assert got == expected  # float.hex of every step's loss
+    final = json.loads((tmp_path / "final.json").read_text())
+    assert final == json.loads((reference / "final.json").read_text())
+
+
+def test_sigterm_saves_exits_143_and_the_next_start_resumes(tmp_path, reference):
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--run-dir", str(tmp_path), *ARGS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    log = tmp_path / "losses.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait until training is past step 12
+        if log.exists() and len(log.read_text().splitlines()) >= 12:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    stopped_at = max(losses(tmp_path))
+    assert f"preempted: saved step {stopped_at}" in out
+    assert (tmp_path / "checkpoints" / f"step-{stopped_at:09d}" / "COMMITTED").exists()
+    events = [
+        json.loads(x) for x in (tmp_path / "checkpoints" / "events.jsonl").read_text().splitlines()
+    ]
+    assert any(e["event"] == "save" and e["reason"] == "preemption" for e in events)
+
+    resumed = train(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from step {stopped_at}" in resumed.stdout
+    assert losses(tmp_path) == losses(reference)
