@@ -47,6 +47,7 @@ MAX_HEADER_BYTES = 100_000_000
 ALIGNMENT = 8
 PAGE = 4096
 _LEN = struct.Struct("<Q")
+_ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 
 
 @dataclass(frozen=True)
@@ -128,8 +129,11 @@ def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return out
 
 
-def _is_int(value: object) -> bool:
-    return type(value) is int  # bool is an int subclass and is not a valid size
+def _nonneg_ints(values: list[object]) -> bool:
+    for v in values:
+        if type(v) is not int or v < 0:  # type(): bool is an int subclass, not a size
+            return False
+    return True
 
 
 def header_length(prefix: bytes, file_size: int, where: str) -> int:
@@ -188,18 +192,18 @@ def parse_header(header: bytes, file_size: int, where: str) -> Header:
             name.encode("utf-8")
         except UnicodeEncodeError:
             raise bad(f"tensor name {name!r} is not valid UTF-8") from None
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        if type(entry) is not dict or len(entry) != 3 or not _ENTRY_KEYS.issuperset(entry):
             raise bad(f"entry {name!r} must have exactly dtype, shape and data_offsets")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if dtype not in DTYPES:
             raise bad(f"entry {name!r} has unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        if type(shape) is not list or not _nonneg_ints(shape):
             raise bad(f"entry {name!r} has an invalid shape {shape!r}")
         if (
-            not isinstance(offsets, list)
+            type(offsets) is not list
             or len(offsets) != 2
-            or not all(_is_int(o) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1] <= data_len
+            or not _nonneg_ints(offsets)
+            or not offsets[0] <= offsets[1] <= data_len
         ):
             raise bad(
                 f"entry {name!r} has data_offsets {offsets!r} outside the {data_len}-byte data"
