@@ -42,7 +42,9 @@ def replay_time(size: int, cursor: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", type=int, default=10_000_000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/results/data_position.json"))

@@ -23,8 +23,9 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import safetensors.torch as st
@@ -125,6 +126,17 @@ def memcpy(state: dict[str, torch.Tensor], dest: dict[str, torch.Tensor]) -> Non
 # ---- the contenders ------------------------------------------------------------------
 
 
+@contextmanager
+def direct_io(enabled: bool) -> Iterator[None]:
+    """shardpoint as is, or as on a file system without O_DIRECT (buffered I/O)."""
+    saved = sp_local._DIRECT
+    sp_local._DIRECT = saved if enabled else 0
+    try:
+        yield
+    finally:
+        sp_local._DIRECT = saved
+
+
 def contenders(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Callable[..., object]]]:
     """label -> {"save": f(path), "load": f(path, dest)}.
 
@@ -143,12 +155,8 @@ def contenders(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Callable[.
 
     def sp_save(direct: bool) -> Callable[[Path], None]:
         def run(p: Path) -> None:
-            saved = sp_local._DIRECT
-            sp_local._DIRECT = saved if direct else 0
-            try:
+            with direct_io(direct):
                 shardpoint.save(state, p)
-            finally:
-                sp_local._DIRECT = saved
 
         return run
 
@@ -162,12 +170,8 @@ def contenders(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Callable[.
 
     def sp_load(direct: bool) -> Callable[[Path, dict[str, torch.Tensor]], None]:
         def run(p: Path, dest: dict[str, torch.Tensor]) -> None:
-            saved = sp_local._DIRECT
-            sp_local._DIRECT = saved if direct else 0
-            try:
+            with direct_io(direct):
                 shardpoint.load(dest, p)
-            finally:
-                sp_local._DIRECT = saved
 
         return run
 
@@ -200,54 +204,50 @@ def timed(fn: Callable[..., object], *args: object) -> float:
 
 
 def measure(name: str, state: dict[str, torch.Tensor], root: Path, reps: int) -> dict[str, object]:
+    """Median seconds per operation. Repetitions are interleaved (every contender once,
+    then again) so slow drifts of the (virtual) disk hit every contender alike."""
     size = nbytes(state)
-    print(f"\n== {name}: {len(state)} tensors, {size / 1e9:.2f} GB, {reps} reps (median) ==")
-    rows: dict[str, dict[str, float]] = {}
-    raw = root / "raw.bin"
-    w, r = [], []
-    disk = RawDisk()
-    for _ in range(reps):
-        remove(raw)
-        w.append(timed(disk.write, raw, size))
-        drop_cache(raw)
-        r.append(timed(disk.read, raw, size))
-    remove(raw)
-    rows["raw O_DIRECT"] = {"save": statistics.median(w), "cold": statistics.median(r)}
+    print(f"\n== {name}: {len(state)} tensors, {size / 1e9:.2f} GB, {reps} rounds (median) ==")
+    times: dict[str, dict[str, list[float]]] = {}
+
+    def record(label: str, op: str, seconds: float) -> None:
+        times.setdefault(label, {}).setdefault(op, []).append(seconds)
+
     copy = {k: torch.empty_like(v) for k, v in state.items()}
     memcpy(state, copy)
-    rows["memcpy"] = {"save": statistics.median(timed(memcpy, state, copy) for _ in range(reps))}
-    del copy
-    rows["xxh3 checksum"] = {
-        "save": statistics.median(
-            timed(lambda: [xxhash.xxh3_64_intdigest(t.numpy()) for t in state.values()])
-            for _ in range(reps)
-        )
-    }
-
     dest = {k: torch.zeros_like(v) for k, v in state.items()}  # the live state, faulted in
-    for label, ops in contenders(state).items():
-        times: dict[str, list[float]] = {"save": [], "cold": [], "warm": []}
-        for _ in range(reps):
-            out = root / "out"
+    disk = RawDisk()
+    raw, out = root / "raw.bin", root / "out"
+    for round_ in range(reps):
+        remove(raw)
+        record("raw O_DIRECT", "save", timed(disk.write, raw, size))
+        drop_cache(raw)
+        record("raw O_DIRECT", "cold", timed(disk.read, raw, size))
+        remove(raw)
+        record("memcpy", "save", timed(memcpy, state, copy))
+        record("xxh3 checksum", "save", timed(checksum_all, state))
+        for label, ops in contenders(state).items():
             remove(out)
-            times["save"].append(timed(ops["save"], out))
+            record(label, "save", timed(ops["save"], out))
             drop_cache(out)
-            times["cold"].append(timed(ops["load"], out, dest))
-            times["warm"].append(timed(ops["load"], out, dest))
+            record(label, "cold", timed(ops["load"], out, dest))
+            record(label, "warm", timed(ops["load"], out, dest))
             remove(out)
-        assert all(torch.equal(dest[k], v) for k, v in state.items()), (
-            f"{label} loaded wrong values"
-        )
-        for t in dest.values():
-            t.zero_()
-        rows[label] = {k: statistics.median(v) for k, v in times.items()}
-        print(
-            f"  {label}: "
-            + ", ".join(f"{k} {size / v / 1e9:.2f} GB/s" for k, v in rows[label].items())
-        )
-
+            if not all(torch.equal(dest[k], v) for k, v in state.items()):
+                raise AssertionError(f"{label} loaded wrong values")
+            for t in dest.values():
+                t.zero_()
+        print(f"  round {round_ + 1}/{reps} done", flush=True)
+    rows = {
+        label: {op: statistics.median(v) for op, v in ops.items()} for label, ops in times.items()
+    }
     table(name, size, rows)
-    return {"tensors": len(state), "bytes": size, "seconds": rows}
+    return {"tensors": len(state), "bytes": size, "seconds": rows, "all_seconds": times}
+
+
+def checksum_all(state: dict[str, torch.Tensor]) -> None:
+    for t in state.values():
+        xxhash.xxh3_64_intdigest(t.numpy())
 
 
 def table(name: str, size: int, rows: dict[str, dict[str, float]]) -> None:

@@ -26,8 +26,17 @@ TRAIN = HERE / "train_char_lm.py"
 
 
 def train(run_dir: Path, steps: int, save_every: int, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(TRAIN), "--run-dir", str(run_dir), "--steps", str(steps),
-           "--save-every", str(save_every), *extra]
+    cmd = [
+        sys.executable,
+        str(TRAIN),
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(steps),
+        "--save-every",
+        str(save_every),
+        *extra,
+    ]
     print(f"$ {' '.join(cmd[1:])}", flush=True)
     done = subprocess.run(cmd, text=True, capture_output=True)
     for line in done.stdout.splitlines():
@@ -47,7 +56,9 @@ def losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
-def plot(path: Path, reference: dict[int, float], resumed: dict[int, float], crash: int | None) -> bool:
+def plot(
+    path: Path, reference: dict[int, float], resumed: dict[int, float], crash: int | None
+) -> bool:
     try:
         import matplotlib
 
@@ -60,8 +71,14 @@ def plot(path: Path, reference: dict[int, float], resumed: dict[int, float], cra
     steps = sorted(reference)
     ax.plot(steps, [reference[s] for s in steps], lw=3, alpha=0.45, label="uninterrupted run")
     steps = sorted(resumed)
-    ax.plot(steps, [resumed[s] for s in steps], lw=1.2, ls="--", color="black",
-            label="killed and resumed run")
+    ax.plot(
+        steps,
+        [resumed[s] for s in steps],
+        lw=1.2,
+        ls="--",
+        color="black",
+        label="killed and resumed run",
+    )
     if crash is not None:
         ax.axvline(crash, color="red", lw=1, label=f"SIGKILL at step {crash}")
     ax.set_xlabel("step")
@@ -74,7 +91,9 @@ def plot(path: Path, reference: dict[int, float], resumed: dict[int, float], cra
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--dir", type=Path, default=Path("runs/demo"))
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--save-every", type=int, default=25)
@@ -101,7 +120,9 @@ def main() -> None:
     train(resumed_dir, args.steps, args.save_every)
 
     reference, resumed = losses(reference_dir), losses(resumed_dir)
-    shown = sorted({1, crash - 1, crash, crash + 1, args.steps} | set(range(0, args.steps + 1, 50)) - {0})
+    shown = sorted(
+        {1, crash - 1, crash, crash + 1, args.steps} | set(range(0, args.steps + 1, 50)) - {0}
+    )
     print(f"\n{'step':>6}  {'uninterrupted loss':>20}  {'resumed loss':>20}  identical")
     for s in shown:
         same = "yes" if reference.get(s) == resumed.get(s) else "NO"
@@ -109,14 +130,18 @@ def main() -> None:
     identical = sum(reference[s] == resumed.get(s) for s in reference)
     final_a = json.loads((reference_dir / "final.json").read_text())["params_sha256"]
     final_b = json.loads((resumed_dir / "final.json").read_text())["params_sha256"]
-    print(f"\nlosses bit-identical at {identical} of {len(reference)} steps; "
-          f"final weights {'identical' if final_a == final_b else 'DIFFERENT'} "
-          f"(sha256 {final_a[:16]}...)")
+    print(
+        f"\nlosses bit-identical at {identical} of {len(reference)} steps; "
+        f"final weights {'identical' if final_a == final_b else 'DIFFERENT'} "
+        f"(sha256 {final_a[:16]}...)"
+    )
     png = args.dir / "loss_curves.png"
     if plot(png, reference, resumed, crash):
         print(f"plot: {png}")
-    print(f"checkpoints: {resumed_dir / 'checkpoints'} "
-          f"(try: shardpoint inspect {sorted((resumed_dir / 'checkpoints').glob('step-*'))[-1]})")
+    print(
+        f"checkpoints: {resumed_dir / 'checkpoints'} "
+        f"(try: shardpoint inspect {sorted((resumed_dir / 'checkpoints').glob('step-*'))[-1]})"
+    )
     print(f"demo took {time.monotonic() - start:.0f} s")
     if identical != len(reference) or final_a != final_b:
         raise SystemExit("the resumed run diverged from the uninterrupted one")

@@ -99,3 +99,28 @@ def test_sigterm_saves_exits_143_and_the_next_start_resumes(tmp_path, reference)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from step {stopped_at}" in resumed.stdout
     assert losses(tmp_path) == losses(reference)
+
+
+def test_the_demo_crashes_resumes_and_reports_identical_runs(tmp_path):
+    demo = SCRIPT.parent / "demo.py"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(demo),
+            "--dir",
+            str(tmp_path),
+            "--steps",
+            "40",
+            "--save-every",
+            "10",
+            "--crash-at",
+            "23",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resuming from step 20" in done.stdout
+    assert "losses bit-identical at 40 of 40 steps; final weights identical" in done.stdout
+    assert (tmp_path / "loss_curves.png").stat().st_size > 10_000

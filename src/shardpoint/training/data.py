@@ -68,7 +68,8 @@ class ResumableSampler(Sampler[int]):
         n = self.per_rank()
         start = self.cursor + self.rank
         mine = self.order()[start : start + n * self.world_size : self.world_size]
-        return iter(mine.tolist())
+        for i in range(0, n, 65536):  # lazily: a 10M-sample epoch is not one Python list
+            yield from mine[i : i + 65536].tolist()
 
     def state_dict(self) -> dict[str, Any]:
         return {
