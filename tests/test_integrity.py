@@ -160,7 +160,7 @@ def test_a_symlink_escaping_the_directory_is_refused(tmp_path):
         (lambda d: d["tensors"]["a"]["chunks"][0].update(byte_range=[0, 10]), "byte_range"),
         (lambda d: d["tensors"]["a"]["chunks"][0].update(shape=[64, 33]), "outside its shape"),
         (lambda d: d["tensors"]["a"]["chunks"][0].update(offsets=[1, 0]), "outside its shape"),
-        (lambda d: d["tensors"]["a"]["chunks"][0].update(checksum="zz"), "malformed checksum"),
+        (lambda d: d["tensors"]["a"]["chunks"][0].update(checksums=["zz"]), "malformed checksums"),
         (lambda d: d["tensors"]["a"].update(dtype="F99"), "unknown dtype"),
         (lambda d: d["tensors"].pop("a"), "disagree"),
         (lambda d: d["tensors"].update(z={"alias_of": "nope"}), "missing entry"),

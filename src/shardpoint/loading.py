@@ -23,6 +23,7 @@ from .format.safetensors import DTYPES
 from .gc_pause import gc_paused
 from .saving import DEFAULT_THREADS
 from .storage.local import Segment
+from .tensor_kinds import local_part
 from .tensor_memory import flat_bytes, plain
 from .tree import match
 
@@ -86,85 +87,136 @@ def _some(keys: list[str], limit: int = 10) -> str:
 
 
 @dataclass
-class _Target:
-    """Where one stored entry's bytes go: a staging tensor and the tensors to copy into."""
+class _Region:
+    """A box of a stored entry and the tensors (same shape) it must end up in."""
 
-    staging: torch.Tensor
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor  # the first destination: a rank's local part, any device/layout
     copies: list[torch.Tensor] = field(default_factory=list)
 
 
+@dataclass
+class _Pending:
+    """A read in flight: which checksum blocks it covers, and where its bytes go after."""
+
+    entry: TensorEntry
+    chunk: Chunk
+    first_block: int
+    blocks: int
+    copy: tuple[torch.Tensor, torch.Tensor] | None  # (destination box, source box)
+
+
 class ReadPlan:
-    """Collects destinations for stored entries, then reads and verifies them in one pass."""
+    """Collects destination regions of stored entries, then reads and verifies them.
+
+    A region that is exactly a stored chunk and lands in contiguous CPU memory is read
+    straight into it. Otherwise (resharding, other devices) only the rows of each
+    overlapping chunk that the region needs are read, widened to whole checksum
+    blocks when verifying, and copied into place.
+    """
 
     def __init__(self, ckpt: CommittedCheckpoint) -> None:
         self.ckpt = ckpt
-        self.targets: dict[str, _Target] = {}
+        self.regions: dict[str, list[_Region]] = {}
+        self.fresh_tensors: dict[str, torch.Tensor] = {}
 
     def into(self, name: str, dest: torch.Tensor) -> None:
-        """Fill ``dest`` (any device, any strides) with entry ``name``."""
+        """Fill ``dest`` (a plain tensor or a DTensor's local shard) with entry ``name``."""
         entry = self.ckpt.index.resolve(name)
-        target = self.targets.get(entry.name)
-        if target is None:
-            direct = dest.device.type == "cpu" and dest.is_contiguous() and len(entry.chunks) == 1
-            staging = plain(dest) if direct else torch.empty(entry.shape, dtype=dest.dtype)
-            target = self.targets[entry.name] = _Target(staging)
-            if not direct:
-                target.copies.append(dest)
-        elif not _same_memory(target.staging, dest):
-            target.copies.append(dest)
+        part, _, offsets = local_part(plain(dest), name)
+        regions = self.regions.setdefault(entry.name, [])
+        for r in regions:
+            if r.offsets == offsets and tuple(r.tensor.shape) == tuple(part.shape):
+                if not _same_memory(r.tensor, part):
+                    r.copies.append(part)
+                return
+        regions.append(_Region(offsets, part))
 
     def fresh(self, name: str) -> torch.Tensor:
-        """A new CPU tensor holding entry ``name``; aliases share one tensor."""
+        """A new CPU tensor holding all of entry ``name``; aliases share one tensor."""
         entry = self.ckpt.index.resolve(name)
-        if entry.name not in self.targets:
-            staging = torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
-            self.targets[entry.name] = _Target(staging)
-        return self.targets[entry.name].staging
+        if entry.name not in self.fresh_tensors:
+            t = torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
+            self.fresh_tensors[entry.name] = t
+            self.into(entry.name, t)
+        return self.fresh_tensors[entry.name]
 
     def run(self, *, threads: int, verify: bool, direct: bool = True) -> None:
         requests: dict[str, list[Segment]] = {}
-        checks: dict[int, tuple[TensorEntry, Chunk]] = {}  # id(segment) -> what it holds
-        regions: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name, target in self.targets.items():
+        pending: dict[int, _Pending] = {}  # id(segment) -> what it holds
+        for name, regions in self.regions.items():
             entry = self.ckpt.index.entries[name]
-            for chunk in entry.chunks:
-                self.ckpt.header(chunk.file)
-                whole = chunk.shape == entry.shape
-                buf = (
-                    target.staging if whole else torch.empty(chunk.shape, dtype=DTYPES[entry.dtype])
-                )
-                segment = Segment(chunk.begin, flat_bytes(buf))
-                requests.setdefault(chunk.file, []).append(segment)
-                checks[id(segment)] = (entry, chunk)
-                if not whole:
-                    regions.append((_region(target.staging, chunk), buf))
+            for region in regions:
+                for chunk in entry.chunks:
+                    read = self._plan_chunk(entry, chunk, region, verify)
+                    if read is not None:
+                        self.ckpt.header(chunk.file)
+                        segment, p = read
+                        requests.setdefault(chunk.file, []).append(segment)
+                        pending[id(segment)] = p
 
         def verify_segment(segment: Segment) -> None:
-            _verify_chunk(self.ckpt, *checks[id(segment)], segment.array)
+            p = pending[id(segment)]
+            _verify_blocks(self.ckpt, p, segment)
 
         self.ckpt.storage.read_ranges(
             requests, threads=threads, direct=direct, on_segment=verify_segment if verify else None
         )
-        for region, buf in regions:
-            region.copy_(buf)
-        for target in self.targets.values():
-            for dest in target.copies:
-                with torch.no_grad():
-                    dest.copy_(target.staging)
+        with torch.no_grad():
+            for p in pending.values():
+                if p.copy is not None:
+                    p.copy[0].copy_(p.copy[1])
+            for regions in self.regions.values():
+                for r in regions:
+                    for dest in r.copies:
+                        dest.copy_(r.tensor)
+
+    def _plan_chunk(
+        self, entry: TensorEntry, chunk: Chunk, region: _Region, verify: bool
+    ) -> tuple[Segment, _Pending] | None:
+        shape = tuple(region.tensor.shape)
+        box = [
+            (max(o, co), min(o + s, co + cs))
+            for o, s, co, cs in zip(region.offsets, shape, chunk.offsets, chunk.shape)
+        ]
+        if any(a >= b for a, b in box):
+            return None  # no overlap (or an empty tensor: nothing to read)
+        blocks = len(chunk.checksums)
+        t = region.tensor
+        if box and chunk.shape == shape and chunk.offsets == region.offsets or not chunk.shape:
+            if t.device.type == "cpu" and t.is_contiguous():
+                return Segment(chunk.begin, flat_bytes(t)), _Pending(entry, chunk, 0, blocks, None)
+            tmp = torch.empty(chunk.shape, dtype=DTYPES[entry.dtype])
+            return Segment(chunk.begin, flat_bytes(tmp)), _Pending(
+                entry, chunk, 0, blocks, (t, tmp)
+            )
+        # Rows [a, b) of the chunk are needed; verified reads take whole checksum blocks.
+        a, b = box[0][0] - chunk.offsets[0], box[0][1] - chunk.offsets[0]
+        if verify:
+            first, last = a // chunk.block_rows, -(-b // chunk.block_rows)
+            a, b = first * chunk.block_rows, min(last * chunk.block_rows, chunk.rows)
+        else:
+            first, last = 0, 0
+        tmp = torch.empty((b - a, *chunk.shape[1:]), dtype=DTYPES[entry.dtype])
+        src, dst = tmp, t
+        for dim, ((lo, hi), co, ro) in enumerate(zip(box, chunk.offsets, region.offsets)):
+            src = src.narrow(dim, lo - co - (a if dim == 0 else 0), hi - lo)
+            dst = dst.narrow(dim, lo - ro, hi - lo)
+        segment = Segment(chunk.begin + a * chunk.row_bytes, flat_bytes(tmp))
+        return segment, _Pending(entry, chunk, first, last - first, (dst, src))
 
 
-def _verify_chunk(ckpt: CommittedCheckpoint, entry: TensorEntry, chunk: Chunk, data: Any) -> None:
-    if checksum(data) != chunk.checksum:
-        raise CorruptCheckpointError(
-            f"{ckpt.storage.path(chunk.file)}: checksum mismatch in {entry.name!r} "
-            f"(bytes {chunk.begin}-{chunk.end}); the file is corrupt, load an earlier checkpoint"
-        )
-
-
-def _region(t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-    for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.shape)):
-        t = t.narrow(dim, offset, size)
-    return t
+def _verify_blocks(ckpt: CommittedCheckpoint, p: _Pending, segment: Segment) -> None:
+    data = memoryview(segment.array)
+    step = p.chunk.block_rows * p.chunk.row_bytes
+    for i in range(p.blocks):
+        block = p.first_block + i
+        if checksum(data[i * step : (i + 1) * step]) != p.chunk.checksums[block]:
+            lo, hi = p.chunk.block_span(block)
+            raise CorruptCheckpointError(
+                f"{ckpt.storage.path(p.chunk.file)}: checksum mismatch in {p.entry.name!r} "
+                f"(bytes {lo}-{hi}); the file is corrupt, load an earlier checkpoint"
+            )
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

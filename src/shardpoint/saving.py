@@ -15,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
-from . import __version__
+from . import __version__, dist
 from .checkpoint_dir import foreign_files
 from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
 from .format.index import (
@@ -28,15 +28,18 @@ from .format.index import (
     Chunk,
     Index,
     TensorEntry,
-    checksum,
+    block_checksums,
+    block_rows_for,
     marker_json,
 )
-from .format.safetensors import PAGE, TensorSlot, dtype_name, encode_header, layout
+from .format.safetensors import PAGE, TensorSlot, dtype_name, encode_header, itemsize, layout
 from .gc_pause import gc_paused
 from .parallel import map_batched
+from .plan import Holding, Piece, plan_writes
 from .storage.local import ZERO_COPY_MIN_BYTES, LocalDirectory, Segment, fsync_directory
+from .tensor_kinds import local_part
 from .tensor_memory import flat_bytes, host_contiguous
-from .tree import flatten
+from .tree import flatten, merge_trees
 
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
 DEFAULT_THREADS = 4
@@ -74,80 +77,204 @@ def save(
     safetensors files of at most ``max_shard_size`` bytes (a larger tensor gets a file
     of its own) and written by ``threads`` parallel workers.
 
+    Under ``torch.distributed`` every rank calls ``save`` with its own state: each rank
+    writes only its part (DTensor shards, its share of replicated tensors) to its own
+    files, and rank 0 commits once every rank's files are durable.
+
     >>> import torch, shardpoint
     >>> info = shardpoint.save({"w": torch.ones(2), "step": 7}, "/tmp/sp-doc/ckpt")
     >>> info.tensors
     1
     """
     start = time.perf_counter()
+    me = dist.rank()
     flat = flatten(state)
-    entries, aliases, tensors = _dedupe(flat.tensors)
-    files = _pack(entries, tensors, max_shard_size)
-
+    holdings, aliases, local = _holdings(flat.tensors)
     storage = LocalDirectory(path)
-    _prepare_directory(storage.root)
-    index = Index(
-        files={},
-        entries={},
-        aliases=aliases,
-        tree=flat.tree,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        library_version=__version__,
-        metadata=dict(metadata or {}),
+    prepare_error: CheckpointError | None = None
+    if me == 0:
+        try:
+            _prepare_directory(storage.root)
+        except CheckpointError as exc:
+            prepare_error = exc
+    # The one gather of structure per save; it also orders every write after rank 0's
+    # preparation of the directory.
+    gathered = dist.all_gather_json(
+        {
+            "holdings": [h.to_json() for h in holdings],
+            "tree": flat.tree,
+            "aliases": aliases,
+            "error": str(prepare_error) if prepare_error else None,
+        }
     )
+    if prepare_error is not None:
+        raise prepare_error
+    if gathered[0]["error"]:
+        raise CheckpointError(gathered[0]["error"])
+    tree = merge_trees([g["tree"] for g in gathered])
+    everyone = [[Holding.from_json(h) for h in g["holdings"]] for g in gathered]
+    mine = [p for p in plan_writes(everyone) if p.writer == me]
+
+    result: dict[str, Any] = {"files": {}, "chunks": [], "error": None}
     to_write: dict[str, tuple[int, list[Segment]]] = {}
-    placed: list[tuple[str, str, TensorSlot, int, torch.Tensor]] = []  # ..., data start, bytes
-    for file, names in files.items():
-        slots = layout([(n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in names])
-        header = encode_header(slots, SHARD_METADATA, _data_start_mod(slots, tensors))
+    try:
+        to_write, result["chunks"] = _write_pieces(
+            storage, mine, local, me, max_shard_size, threads
+        )
+        result["files"] = {name: size for name, (size, _) in to_write.items()}
+    except OSError as exc:
+        result["error"] = f"rank {me}: {exc}"
+    # Doubles as the barrier before commit: rank 0 hears from every rank once its files
+    # are durable (or failed).
+    results = dist.all_gather_json(result)
+    errors = [r["error"] for r in results if r["error"]]
+
+    outcome = None
+    if me == 0 and not errors:
+        try:
+            index_bytes = _index(tree, everyone, gathered, results, metadata).to_json()
+            storage.write_small_durably(INDEX_NAME, index_bytes)
+            fsync_directory(storage.root)
+            storage.write_small_durably(MARKER_NAME, marker_json(index_bytes))
+            fsync_directory(storage.root)
+        except OSError as exc:
+            outcome = f"rank 0 (commit): {exc}"
+    outcome = dist.broadcast_json(outcome if me == 0 else None) or (errors[0] if errors else None)
+    if outcome:
+        _remove_own(storage.root, [*to_write, *((INDEX_NAME, MARKER_NAME) if me == 0 else ())])
+        raise CheckpointError(
+            f"{storage.root}: writing the checkpoint failed ({outcome}); nothing was committed "
+            "and earlier checkpoints are untouched. Free disk space or fix permissions, "
+            "then save again."
+        )
+    written = sum(sum(r["files"].values()) for r in results)
+    return SaveInfo(
+        path=storage.root,
+        files=sum(len(r["files"]) for r in results),
+        tensors=len(flat.tensors),
+        bytes_written=written,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _write_pieces(
+    storage: LocalDirectory,
+    pieces: list[Piece],
+    local: dict[str, torch.Tensor],
+    rank: int,
+    max_shard_size: int,
+    threads: int,
+) -> tuple[dict[str, tuple[int, list[Segment]]], list[dict[str, Any]]]:
+    """Write this rank's pieces into its own files; returns the files and chunk records."""
+    data = {_piece_key(p): _piece_data(p, local[p.name]) for p in pieces}
+    files = _pack([_piece_key(p) for p in pieces], data, max_shard_size, rank)
+    by_key = {_piece_key(p): p for p in pieces}
+    to_write: dict[str, tuple[int, list[Segment]]] = {}
+    placed: list[tuple[Piece, str, str, TensorSlot, int, torch.Tensor]] = []
+    for file, keys in files.items():
+        slots = layout([(k, dtype_name(data[k].dtype), tuple(data[k].shape)) for k in keys])
+        header = encode_header(slots, SHARD_METADATA, _data_start_mod(slots, data))
         data_start = len(header)
         segments = [Segment(0, torch.frombuffer(bytearray(header), dtype=torch.uint8))]
-        for name, slot in slots.items():
-            data = flat_bytes(tensors[name])
-            segments.append(Segment(data_start + slot.begin, data))
-            placed.append((name, file, slot, data_start, data))
+        for key, slot in slots.items():
+            raw = flat_bytes(data[key])
+            segments.append(Segment(data_start + slot.begin, raw))
+            placed.append((by_key[key], key, file, slot, data_start, raw))
         size = data_start + sum(s.nbytes for s in slots.values())
-        index.files[file] = size
         to_write[file] = (size, segments)
 
     # Checksums run beside the writes, on their own thread, so they cost no wall time.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardpoint-hash") as hasher:
         digests = map_batched(
             hasher,
-            lambda p: checksum(p[4].numpy()),
+            lambda x: block_checksums(
+                x[5].numpy(),
+                x[3].shape,
+                itemsize(x[3].dtype),
+                block_rows_for(x[3].shape, itemsize(x[3].dtype)),
+            ),
             placed,
-            lambda p: p[2].nbytes,
+            lambda x: x[3].nbytes,
         )
         try:
             storage.write_files(to_write, threads=threads)
-        except OSError as exc:
-            _fail(storage.root, to_write, exc)
-        for (name, file, slot, data_start, _), digest in zip(placed, digests()):
-            chunk = Chunk(
-                file=file,
-                key=name,
-                offsets=(0,) * len(slot.shape),
-                shape=slot.shape,
-                begin=data_start + slot.begin,
-                end=data_start + slot.end,
-                checksum=digest,
+        except OSError:
+            _remove_own(storage.root, to_write)
+            raise
+        chunks = []
+        for (piece, key, file, slot, data_start, _), sums in zip(placed, digests()):
+            chunks.append(
+                {
+                    "name": piece.name,
+                    "file": file,
+                    "key": key,
+                    "offsets": list(piece.offsets),
+                    "shape": list(piece.shape),
+                    "byte_range": [data_start + slot.begin, data_start + slot.end],
+                    "block_rows": block_rows_for(slot.shape, itemsize(slot.dtype)),
+                    "checksums": sums,
+                }
             )
-            index.entries[name] = TensorEntry(name, slot.dtype, slot.shape, (chunk,))
+    return to_write, chunks
 
-    index_bytes = index.to_json()
-    try:
-        storage.write_small_durably(INDEX_NAME, index_bytes)
-        fsync_directory(storage.root)
-        storage.write_small_durably(MARKER_NAME, marker_json(index_bytes))
-        fsync_directory(storage.root)
-    except OSError as exc:
-        _fail(storage.root, [*to_write, INDEX_NAME, MARKER_NAME], exc)
-    return SaveInfo(
-        path=storage.root,
-        files=len(files),
-        tensors=len(flat.tensors),
-        bytes_written=sum(index.files.values()) + len(index_bytes),
-        seconds=time.perf_counter() - start,
+
+def _piece_key(p: Piece) -> str:
+    """The name inside the shard file: the entry name when the piece is the whole tensor."""
+    if p.shape == p.source.global_shape:
+        return p.name
+    return f"{p.name}@{','.join(map(str, p.offsets))}"
+
+
+def _piece_data(p: Piece, local: torch.Tensor) -> torch.Tensor:
+    """The bytes of a piece: rows of the holding's local tensor (contiguous)."""
+    if p.shape == p.source.shape:
+        return local
+    start = p.offsets[0] - p.source.offsets[0]
+    return local.narrow(0, start, p.shape[0])
+
+
+def _index(
+    tree: Any,
+    holdings: list[list[Holding]],
+    gathered: list[dict[str, Any]],
+    results: list[dict[str, Any]],
+    metadata: dict[str, Any] | None,
+) -> Index:
+    meta = {h.name: h for held in holdings for h in held}
+    chunks_of: dict[str, list[Chunk]] = {}
+    for r in results:
+        for c in r["chunks"]:
+            chunks_of.setdefault(c["name"], []).append(
+                Chunk(
+                    c["file"],
+                    c["key"],
+                    tuple(c["offsets"]),
+                    tuple(c["shape"]),
+                    c["byte_range"][0],
+                    c["byte_range"][1],
+                    tuple(c["checksums"]),
+                    c["block_rows"],
+                )
+            )
+    entries = {
+        name: TensorEntry(
+            name,
+            meta[name].dtype,
+            meta[name].global_shape,
+            tuple(sorted(chunks, key=lambda c: c.offsets)),
+        )
+        for name, chunks in chunks_of.items()
+    }
+    aliases = {a: t for g in gathered for a, t in g["aliases"].items() if a not in entries}
+    return Index(
+        files={name: size for r in results for name, size in r["files"].items()},
+        entries=entries,
+        aliases=aliases,
+        tree=tree,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        library_version=__version__,
+        world_size=len(results),
+        metadata=dict(metadata or {}),
     )
 
 
@@ -168,49 +295,44 @@ def _data_start_mod(slots: dict[str, TensorSlot], tensors: dict[str, torch.Tenso
     return best if best is not None and best % 8 == 0 else None
 
 
-def _dedupe(
+def _holdings(
     tensors: dict[str, torch.Tensor],
-) -> tuple[list[str], dict[str, str], dict[str, torch.Tensor]]:
-    """Store tensors that are views of the same memory (tied weights) once.
+) -> tuple[list[Holding], dict[str, str], dict[str, torch.Tensor]]:
+    """What this rank holds of each tensor entry, tied tensors stored once.
 
-    Returns the names to store, alias name -> stored name, and name -> host tensor.
+    Returns the holdings, alias name -> stored name (views of the same memory), and
+    name -> the local bytes as a contiguous host tensor.
     """
     seen: dict[tuple[Any, ...], str] = {}
-    stored: list[str] = []
+    holdings: list[Holding] = []
     aliases: dict[str, str] = {}
-    host: dict[str, torch.Tensor] = {}
+    local: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
+        part, global_shape, offsets = local_part(t, name)
         try:
-            dtype_name(t.dtype)
+            dtype = dtype_name(part.dtype)
         except TypeError as exc:
             raise UnsupportedValueError(f"cannot save tensor {name!r}: {exc}") from None
-        if t.is_sparse or t.layout != torch.strided:
+        if part.layout != torch.strided:
             raise UnsupportedValueError(
-                f"cannot save tensor {name!r}: layout {t.layout} is not supported; "
+                f"cannot save tensor {name!r}: layout {part.layout} is not supported; "
                 "convert it with .to_dense() first"
             )
         identity = None
-        if t.numel():  # every empty tensor has the same (null) data pointer
-            identity = (
-                t.device,
-                t.untyped_storage().data_ptr(),
-                t.storage_offset(),
-                tuple(t.shape),
-                tuple(t.stride()),
-                t.dtype,
-            )
+        if part.numel():  # every empty tensor has the same (null) data pointer
+            identity = (part.device, part.data_ptr(), tuple(part.shape), part.stride(), part.dtype)
         if identity is not None and identity in seen:
             aliases[name] = seen[identity]
             continue
         if identity is not None:
             seen[identity] = name
-        stored.append(name)
-        host[name] = host_contiguous(t)
-    return stored, aliases, host
+        holdings.append(Holding(name, dtype, global_shape, offsets, tuple(part.shape)))
+        local[name] = host_contiguous(part)
+    return holdings, aliases, local
 
 
 def _pack(
-    names: list[str], tensors: dict[str, torch.Tensor], max_bytes: int
+    names: list[str], tensors: dict[str, torch.Tensor], max_bytes: int, rank: int
 ) -> dict[str, list[str]]:
     """Greedy packing in state order: related tensors stay together in one file."""
     files: dict[str, list[str]] = {}
@@ -219,12 +341,12 @@ def _pack(
     for name in names:
         nbytes = tensors[name].numel() * tensors[name].element_size()
         if current and size + nbytes > max_bytes:
-            files[shard_file_name(0, len(files))] = current
+            files[shard_file_name(rank, len(files))] = current
             current, size = [], 0
         current.append(name)
         size += nbytes
     if current or not files:
-        files[shard_file_name(0, len(files))] = current
+        files[shard_file_name(rank, len(files))] = current
     return files
 
 
@@ -250,8 +372,8 @@ def _prepare_directory(root: Path) -> None:
     fsync_directory(root.parent)
 
 
-def _fail(root: Path, names: Iterable[str], exc: OSError) -> NoReturn:
-    """Remove what this save wrote, then raise: a failed save leaves no trace to mistake."""
+def _remove_own(root: Path, names: Iterable[str]) -> None:
+    """Remove what this rank wrote for a failed save: it leaves no trace to mistake."""
     for name in names:
         for leftover in (root / name, root / f"{name}.tmp"):
             leftover.unlink(missing_ok=True)
@@ -259,7 +381,3 @@ def _fail(root: Path, names: Iterable[str], exc: OSError) -> NoReturn:
         root.rmdir()  # only succeeds when nothing else is in the directory
     except OSError:
         pass
-    raise CheckpointError(
-        f"{root}: writing the checkpoint failed ({exc}); nothing was committed and earlier "
-        "checkpoints are untouched. Free disk space or fix permissions, then save again."
-    ) from exc

@@ -16,6 +16,7 @@ state dict. Anything else is refused at save time with its path.
 from __future__ import annotations
 
 import base64
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -239,3 +240,42 @@ def _match(target: object, node: Any, path: str, m: LoadMatch, *, in_stateful: b
 def _materialize(node: Any, m: LoadMatch) -> Finisher:
     m.materialize.extend(tensor_names(node))
     return lambda tensor: decode(node, tensor)
+
+
+def merge_trees(trees: list[Any], path: str = "") -> Any:
+    """One tree for the whole job from every rank's tree (rank order).
+
+    Dicts are merged key by key (a key held by some ranks only, such as a rank's own
+    entry under a per-rank dict, is taken from those); anything else must be equal on
+    every rank that has it.
+    """
+    head = trees[0]
+    if all(t == head for t in trees[1:]):
+        return head
+    tags = {next(iter(t)) if isinstance(t, dict) else None for t in trees}
+    if tags == {"dict"}:
+        merged: dict[str, tuple[Any, list[Any]]] = {}
+        for t in trees:
+            for key, value in t["dict"]:
+                slot = merged.setdefault(json.dumps(key), (key, []))
+                slot[1].append(value)
+        return {
+            "dict": [
+                [key, merge_trees(values, _join(path, decode(key, _no_tensor_key)))]
+                for key, values in merged.values()
+            ]
+        }
+    if len(tags) == 1 and tags <= {"list", "tuple"}:
+        (tag,) = tags
+        if len({len(t[tag]) for t in trees}) == 1:
+            return {
+                tag: [
+                    merge_trees(list(items), _join(path, i))
+                    for i, items in enumerate(zip(*(t[tag] for t in trees)))
+                ]
+            }
+    raise UnsupportedValueError(
+        f"the value at {path or '<root>'!r} differs across ranks; values outside tensors must "
+        "be the same on every rank, so keep rank-specific values under a key per rank "
+        "(e.g. {rank: value}), as TrainState does for RNG streams"
+    )

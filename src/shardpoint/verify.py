@@ -16,7 +16,7 @@ import xxhash
 
 from .checkpoint_dir import CommittedCheckpoint, open_committed
 from .errors import CheckpointError
-from .format.index import INDEX_NAME, Chunk
+from .format.index import INDEX_NAME
 from .saving import DEFAULT_THREADS
 
 _BLOCK = 8 * 1024 * 1024
@@ -82,21 +82,25 @@ def _verify_file(
 ) -> FileReport:
     chunks = [c for _, c in ckpt.chunks_by_file.get(name, [])]
     report = FileReport(name, ckpt.index.files[name], len(chunks))
+    blocks = [(*c.block_span(i), d, c.key) for c in chunks for i, d in enumerate(c.checksums)]
     try:
         ckpt.header(name)
-        _check_chunks(ckpt.storage.path(name), chunks, report, progress)
+        _check_blocks(ckpt.storage.path(name), blocks, report, progress)
     except (CheckpointError, OSError) as exc:
         report.errors.append(str(exc))
     return report
 
 
-def _check_chunks(
-    path: Path, chunks: list[Chunk], report: FileReport, progress: Callable[[int], None] | None
+def _check_blocks(
+    path: Path,
+    blocks: list[tuple[int, int, str, str]],
+    report: FileReport,
+    progress: Callable[[int], None] | None,
 ) -> None:
-    """Stream the file once, feeding each block to the hashes of the chunks it overlaps."""
-    chunks = sorted(chunks, key=lambda c: c.begin)
-    hashers = [xxhash.xxh3_64() for _ in chunks]
-    first = 0  # chunks before this one are complete
+    """Stream the file once, feeding each block of it to the checksum ranges it overlaps."""
+    blocks = sorted(blocks)
+    hashers = [xxhash.xxh3_64() for _ in blocks]
+    first = 0  # ranges before this one are complete
     buf = bytearray(_BLOCK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
@@ -107,20 +111,19 @@ def _check_chunks(
                 break
             lo, hi = pos, pos + n
             i = first
-            while i < len(chunks) and chunks[i].begin < hi:
-                c = chunks[i]
-                a, b = max(c.begin, lo), min(c.end, hi)
+            while i < len(blocks) and blocks[i][0] < hi:
+                a, b = max(blocks[i][0], lo), min(blocks[i][1], hi)
                 if a < b:
                     hashers[i].update(view[a - lo : b - lo])
                 i += 1
-            while first < len(chunks) and chunks[first].end <= hi:
+            while first < len(blocks) and blocks[first][1] <= hi:
                 first += 1
             pos = hi
             if progress:
                 progress(n)
-    for c, h in zip(chunks, hashers):
-        if h.hexdigest() != c.checksum:
+    for (lo, hi, digest, key), h in zip(blocks, hashers):
+        if h.hexdigest() != digest:
             report.errors.append(
-                f"{path}: checksum mismatch for {c.key!r} (bytes {c.begin}-{c.end}); "
+                f"{path}: checksum mismatch for {key!r} (bytes {lo}-{hi}); "
                 f"the data differs from what {INDEX_NAME} recorded"
             )

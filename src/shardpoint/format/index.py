@@ -35,6 +35,26 @@ def checksum(data: Any) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+# Checksums cover blocks of whole rows (dim 0) of about this size, so a load that
+# needs only some rows of a chunk (resharding) verifies everything it reads while
+# reading at most one extra block at each end.
+CHECKSUM_BLOCK_BYTES = 1024 * 1024
+
+
+def block_rows_for(shape: tuple[int, ...], itemsize: int) -> int:
+    row_bytes = math.prod(shape[1:]) * itemsize if shape else itemsize
+    return max(1, CHECKSUM_BLOCK_BYTES // max(row_bytes, 1))
+
+
+def block_checksums(data: Any, shape: tuple[int, ...], itemsize: int, block_rows: int) -> list[str]:
+    """Checksums of ``data`` (the chunk's bytes, a buffer) block by block."""
+    step = block_rows * (math.prod(shape[1:]) * itemsize if shape else itemsize)
+    rows = shape[0] if shape else 1
+    blocks = max(1, -(-rows // block_rows))
+    view = memoryview(data).cast("B")
+    return [checksum(view[i * step : (i + 1) * step]) for i in range(blocks)]
+
+
 @dataclass(frozen=True)
 class Chunk:
     """One stored piece of a tensor: where it sits in the tensor and in its file."""
@@ -45,7 +65,21 @@ class Chunk:
     shape: tuple[int, ...]
     begin: int  # absolute byte range inside ``file``
     end: int
-    checksum: str
+    checksums: tuple[str, ...]  # one per block of ``block_rows`` rows
+    block_rows: int
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_bytes(self) -> int:
+        return (self.end - self.begin) // self.rows if self.rows else 0
+
+    def block_span(self, i: int) -> tuple[int, int]:
+        """Absolute byte range of checksum block ``i``."""
+        step = self.block_rows * self.row_bytes
+        return self.begin + i * step, min(self.begin + (i + 1) * step, self.end)
 
 
 @dataclass(frozen=True)
@@ -96,7 +130,8 @@ class Index:
                         "offsets": list(c.offsets),
                         "shape": list(c.shape),
                         "byte_range": [c.begin, c.end],
-                        "checksum": c.checksum,
+                        "block_rows": c.block_rows,
+                        "checksums": list(c.checksums),
                     }
                     for c in e.chunks
                 ],
@@ -252,15 +287,22 @@ def _parse_chunk(
             f"{where}: chunk of {name!r} has byte_range [{begin}, {end}] inconsistent with its "
             f"shape or with the size of {file}"
         )
-    digest = spec["checksum"]
-    if not isinstance(digest, str) or not _CHECKSUM.match(digest):
+    (block_rows,) = _ints([spec["block_rows"]], f"block_rows of {name!r}", where)
+    digests = spec["checksums"]
+    rows = cshape[0] if cshape else 1
+    if (
+        block_rows < 1
+        or type(digests) is not list
+        or len(digests) != max(1, -(-rows // block_rows))
+        or not all(type(d) is str and _CHECKSUM.match(d) for d in digests)
+    ):
         raise CorruptCheckpointError(
-            f"{where}: chunk of {name!r} has a malformed checksum {digest!r}"
+            f"{where}: chunk of {name!r} has malformed checksums {digests!r:.80}"
         )
     key = spec["key"]
     if not isinstance(key, str):
         raise CorruptCheckpointError(f"{where}: chunk of {name!r} has a non-string key")
-    return Chunk(file, key, offsets, cshape, begin, end, digest)
+    return Chunk(file, key, offsets, cshape, begin, end, tuple(digests), block_rows)
 
 
 def _check_cover(name: str, shape: tuple[int, ...], chunks: tuple[Chunk, ...], where: str) -> None:

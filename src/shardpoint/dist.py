@@ -1,0 +1,75 @@
+"""The only module that calls ``torch.distributed``; everything is a no-op in one process.
+
+Coordination data (plans, checksums, outcomes) travels as JSON bytes in uint8 tensors
+over a CPU (gloo) group, never pickled: ``all_gather_object`` would unpickle whatever
+another process sent.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_CPU_GROUP: Any = None
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def _cpu_group() -> Any:
+    """The default group when it runs on the CPU (gloo), else a gloo group made once."""
+    global _CPU_GROUP
+    if _CPU_GROUP is None:
+        _CPU_GROUP = (
+            dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        )
+    return _CPU_GROUP
+
+
+def all_gather_json(value: Any) -> list[Any]:
+    """Every rank's ``value`` (JSON-serialisable), in rank order."""
+    if not is_distributed():
+        return [value]
+    group = _cpu_group()
+    payload = torch.frombuffer(bytearray(json.dumps(value).encode() or b" "), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size())]
+    dist.all_gather(sizes, torch.tensor([payload.numel()]), group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size())]
+    dist.all_gather(out, padded, group=group)
+    return [json.loads(o[: int(n.item())].numpy().tobytes()) for o, n in zip(out, sizes)]
+
+
+def broadcast_json(value: Any, src: int = 0) -> Any:
+    """``value`` from rank ``src`` on every rank."""
+    if not is_distributed():
+        return value
+    return all_gather_json(value if rank() == src else None)[src]
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on at least one."""
+    if not is_distributed():
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
+    return bool(t.item())
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier(group=_cpu_group())

@@ -1,0 +1,38 @@
+"""What part of a global tensor a rank holds: plain tensors and DTensors (FSDP2, TP).
+
+A plain tensor is the whole tensor (replicated when several ranks hold it, as under
+DDP). A DTensor's local shard sits at an offset inside its global shape; ``Replicate``
+placements make several ranks hold the same shard.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import UnsupportedValueError
+
+try:
+    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # torch built without distributed support
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local_part(t: torch.Tensor, name: str) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(local tensor, global shape, offsets of the local tensor in the global one)."""
+    if not is_dtensor(t):
+        return t, tuple(t.shape), (0,) * t.dim()
+    if any(isinstance(p, Partial) for p in t.placements):
+        raise UnsupportedValueError(
+            f"cannot save DTensor {name!r} with a Partial placement (a pending reduction); "
+            "redistribute it to Shard or Replicate first"
+        )
+    local = t.to_local()
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(shape) != tuple(local.shape):  # padded shards: keep the real part
+        local = local[tuple(slice(0, s) for s in shape)]
+    return local, tuple(t.shape), tuple(int(o) for o in offsets)
