@@ -122,8 +122,12 @@ class ReadPlan:
 
     def into(self, name: str, dest: torch.Tensor) -> None:
         """Fill ``dest`` (a plain tensor or a DTensor's local shard) with entry ``name``."""
-        entry = self.ckpt.index.resolve(name)
         part, _, offsets = local_part(plain(dest), name)
+        self.into_region(name, part, offsets)
+
+    def into_region(self, name: str, part: torch.Tensor, offsets: tuple[int, ...]) -> None:
+        """Fill ``part`` with the box of entry ``name`` that starts at ``offsets``."""
+        entry = self.ckpt.index.resolve(name)
         regions = self.regions.setdefault(entry.name, [])
         for r in regions:
             if r.offsets == offsets and tuple(r.tensor.shape) == tuple(part.shape):

@@ -38,7 +38,7 @@ def checksum(data: Any) -> str:
 # Checksums cover blocks of whole rows (dim 0) of about this size, so a load that
 # needs only some rows of a chunk (resharding) verifies everything it reads while
 # reading at most one extra block at each end.
-CHECKSUM_BLOCK_BYTES = 1024 * 1024
+CHECKSUM_BLOCK_BYTES = 256 * 1024
 
 
 def block_rows_for(shape: tuple[int, ...], itemsize: int) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 
 def capture_rng() -> dict[str, Any]:
@@ -51,6 +52,8 @@ def restore_rng(state: dict[str, Any]) -> None:
         )
     )
     torch.set_rng_state(state["torch"])
+    if "cuda_seed" in state and torch.cuda.is_available():
+        torch.cuda.manual_seed_all(state["cuda_seed"])
     cuda = state.get("cuda")
     if cuda:
         if not torch.cuda.is_available() or torch.cuda.device_count() < len(cuda):
@@ -60,3 +63,33 @@ def restore_rng(state: dict[str, Any]) -> None:
             )
         for i, s in enumerate(cuda):
             torch.cuda.set_rng_state(s, i)
+
+
+def reseed_streams(state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Streams for a rank that has none saved: seeded from a saved rank's torch state and
+    ``rank``, so they are reproducible and differ from every other rank's."""
+    digest = xxhash.xxh3_64_intdigest(state["torch"].numpy().tobytes() + rank.to_bytes(8, "little"))
+    seed = digest % (2**63)
+    g = torch.Generator().manual_seed(seed)
+    py_random = random.Random(seed)
+    np_random = np.random.RandomState(seed % (2**32))
+    kind, keys, pos, has_gauss, cached = np_random.get_state()
+    version, internal, gauss_next = py_random.getstate()
+    out: dict[str, Any] = {
+        "python": {
+            "version": version,
+            "state": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": g.get_state(),
+    }
+    if "cuda" in state:
+        out["cuda_seed"] = seed  # CUDA generators are seeded, not given a CPU state
+    return out

@@ -2,14 +2,37 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from .. import dist
 from ..tree import is_stateful
-from .rng import capture_rng, restore_rng
+from .rng import capture_rng, reseed_streams, restore_rng
+
+
+def _streams_for(rank: int, saved: dict[int, Any]) -> dict[str, Any]:
+    """This rank's RNG streams; on a world-size change, the documented re-derivation.
+
+    A rank that was saved gets its own streams back. A rank that did not exist at save
+    time (more ranks now) takes the streams of saved rank ``rank % old_world_size`` and
+    reseeds them from that state and its own rank, so no two ranks share a stream.
+    """
+    old_world = len(saved)
+    if rank in saved:
+        if old_world != dist.world_size() and rank == 0:
+            warnings.warn(
+                f"RNG streams were saved on {old_world} ranks and are restored on "
+                f"{dist.world_size()}: ranks present at save time get their own streams back, "
+                "new ranks get streams derived from a saved rank's and their own rank number, "
+                "so random draws differ from a run on the original world size",
+                stacklevel=3,
+            )
+        return saved[rank]
+    return reseed_streams(saved[sorted(saved)[rank % old_world]], rank)
 
 
 class TrainState:
@@ -67,7 +90,8 @@ class TrainState:
         if self.extra:
             sd["extra"] = self.extra
         if self.capture_rng_state:
-            sd["rng"] = capture_rng()
+            # Keyed by rank: every rank has streams of its own, and the saved tree holds all.
+            sd["rng"] = {dist.rank(): capture_rng()}
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -88,4 +112,4 @@ class TrainState:
         if "extra" in sd:
             self.extra = sd["extra"]
         if self.capture_rng_state and "rng" in sd:
-            restore_rng(sd["rng"])
+            restore_rng(_streams_for(dist.rank(), sd["rng"]))
