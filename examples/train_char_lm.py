@@ -124,15 +124,26 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # the same kernels and reduction order in every run
     torch.manual_seed(args.seed)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
+    if world > 1:
+        torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank() if world > 1 else 0
     args.run_dir.mkdir(parents=True, exist_ok=True)
     if args.crash_at is not None and args.crash_phase == "during-save":
         crash_during_save_of(args.crash_at)
 
     data = Windows(corpus(args.corpus_bytes), args.context, stride=args.context // 2)
     loader = ResumableLoader(
-        data, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers
+        data,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        rank=rank,
+        world_size=world,
+        num_workers=args.num_workers,
     )
     model = CharTransformer(args.context)
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(20, args.steps))
     state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, dataloader=loader)
@@ -140,13 +151,15 @@ def main(argv: list[str] | None = None) -> int:
         args.run_dir / "checkpoints", every_n_steps=args.save_every, keep_last=args.keep_last
     )
     step = manager.restore(state) or 0
-    print(
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(
         f"{'resuming from step ' + str(step) if step else 'starting'} "
         f"(epoch {loader.epoch}, sample {loader.sampler.cursor})",
         flush=True,
     )
 
-    losses = open(args.run_dir / "losses.jsonl", "a", encoding="utf-8")
+    suffix = "" if rank == 0 else f".rank{rank}"
+    losses = open(args.run_dir / f"losses{suffix}.jsonl", "a", encoding="utf-8")
     loss_fn = nn.CrossEntropyLoss()
     model.train()
     last = None
@@ -167,16 +180,20 @@ def main(argv: list[str] | None = None) -> int:
             if step == args.crash_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             if manager.should_stop:
-                print(f"preempted: saved step {step}, exiting with {manager.exit_code}", flush=True)
+                log(f"preempted: saved step {step}, exiting with {manager.exit_code}", flush=True)
                 manager.close()
                 return manager.exit_code
             if step >= args.steps:
                 break
     manager.save(step, state, force=True)
     manager.close()
-    digest = params_digest(model)
-    (args.run_dir / "final.json").write_text(json.dumps({"step": step, "params_sha256": digest}))
-    print(f"finished at step {step}; last loss {last}; params {digest[:16]}", flush=True)
+    digest = params_digest(model.module if world > 1 else model)
+    if rank == 0:
+        final = {"step": step, "params_sha256": digest}
+        (args.run_dir / "final.json").write_text(json.dumps(final))
+    log(f"finished at step {step}; last loss {last}; params {digest[:16]}", flush=True)
+    if world > 1:
+        torch.distributed.destroy_process_group()
     return 0
 
 

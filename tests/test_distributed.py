@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import _free_port, run_ranks
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -318,3 +320,52 @@ def _big_rows_save(rank: int, world: int, path: str) -> None:
 
     mesh = init_device_mesh("cpu", (world,))
     shardpoint.save({"w": distribute_tensor(_big_rows_tensor(), mesh, [Shard(0)])}, path)
+
+
+TRAIN = Path(__file__).resolve().parents[1] / "examples" / "train_char_lm.py"
+DDP_ARGS = ["--steps", "30", "--save-every", "10", "--corpus-bytes", "10000", "--num-workers", "1"]
+
+
+def _torchrun(run_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(TRAIN),
+        "--run-dir",
+        str(run_dir),
+        *DDP_ARGS,
+        *extra,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def _losses(run_dir: Path) -> dict[int, str]:
+    out = {}
+    for line in (run_dir / "losses.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out[r["step"]] = r["loss"]
+    return out
+
+
+def test_ddp_job_killed_with_sigkill_resumes_bit_identical(tmp_path):
+    reference = tmp_path / "reference"
+    assert _torchrun(reference).returncode == 0
+    run = tmp_path / "run"
+    killed = _torchrun(run, "--crash-at", "17")
+    assert killed.returncode != 0  # every rank was SIGKILLed at step 17
+    resumed = _torchrun(run)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from step 10" in resumed.stdout
+    assert _losses(run) == _losses(reference)
+    assert (run / "final.json").read_text() == (reference / "final.json").read_text()
+    index = json.loads((run / "checkpoints" / "step-000000030" / INDEX_NAME).read_text())
+    assert index["world_size"] == 2

@@ -61,13 +61,13 @@ def broadcast_json(value: Any, src: int = 0) -> Any:
     return all_gather_json(value if rank() == src else None)[src]
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when ``flag`` is true on at least one."""
+def max_of(values: list[int]) -> list[int]:
+    """Elementwise maximum of ``values`` over all ranks (one small all-reduce)."""
     if not is_distributed():
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        return values
+    t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
-    return bool(t.item())
+    return [int(v) for v in t.tolist()]
 
 
 def barrier() -> None:

@@ -18,8 +18,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .. import dist
 from ..checkpoint_dir import delete_checkpoint, foreign_files
-from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StateMismatchError,
+)
 from ..format.index import MARKER_NAME
 from ..loading import load
 from ..reader import CheckpointReader
@@ -100,7 +106,8 @@ class CheckpointManager:
         self._stop = False
         self._previous_handlers: dict[int, Any] = {}
         self._install_handlers(preemption_signals)
-        self._remove_leftovers()
+        if dist.rank() == 0:
+            self._remove_leftovers()
 
     # ---- where checkpoints live ---------------------------------------------------------
 
@@ -138,32 +145,55 @@ class CheckpointManager:
         for step in reversed(self.steps()):
             path = self.path_for(step)
             start = time.perf_counter()
+            mismatch: StateMismatchError | None = None
+            error = None
             try:
                 load(state, path, verify=self.verify == "full", threads=self.threads)
+            except StateMismatchError as exc:
+                mismatch, error = exc, f"mismatch: {exc}"
             except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+                error = str(exc)
+            # Ranks agree: a checkpoint is used only if it loaded on every rank.
+            errors = [e for e in dist.all_gather_json(error) if e]
+            if mismatch is not None:
+                raise mismatch
+            if any(e.startswith("mismatch: ") for e in errors):
+                raise StateMismatchError(f"another rank could not load {path}: {errors[0]}")
+            if errors:
                 warnings.warn(
-                    f"checkpoint at step {step} is not usable ({exc}); falling back to the "
-                    "previous checkpoint",
+                    f"checkpoint at step {step} is not usable ({errors[0]}); falling back to "
+                    "the previous checkpoint",
                     stacklevel=2,
                 )
-                self.events.write("fallback", step=step, path=str(path), error=str(exc))
+                self._log("fallback", step=step, path=str(path), error=errors[0])
                 continue
-            self.events.write(
+            self._log(
                 "restore", step=step, path=str(path), seconds=round(time.perf_counter() - start, 4)
             )
             return step
         return None
 
+    def _log(self, event: str, **fields: Any) -> None:
+        if dist.rank() == 0:
+            self.events.write(event, **fields)
+
     # ---- save -----------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
+        """Whether ``step`` is due; under torch.distributed every rank gets the same answer."""
+        due_by_time = bool(
+            self.every_n_seconds and time.monotonic() - self._last_save >= self.every_n_seconds
+        )
+        if dist.is_distributed():
+            # A signal may reach only some ranks and clocks drift: agree in one reduction.
+            signal_seen, due_by_time = dist.max_of([self._signal or 0, int(due_by_time)])
+            if signal_seen:
+                self._signal = signal_seen
         if self._signal is not None:
             return True
         if self.every_n_steps and step % self.every_n_steps == 0:
             return True
-        return bool(
-            self.every_n_seconds and time.monotonic() - self._last_save >= self.every_n_seconds
-        )
+        return bool(due_by_time)
 
     def maybe_save(self, step: int, state: Any, *, metrics: dict[str, float] | None = None) -> bool:
         """Save if the interval rules (or a preemption signal) say so; True if it saved."""
@@ -191,7 +221,7 @@ class CheckpointManager:
             threads=self.threads,
             metadata={"step": step, "metrics": dict(metrics or {})},
         )
-        self.events.write(
+        self._log(
             "save",
             step=step,
             path=str(path),
@@ -203,7 +233,8 @@ class CheckpointManager:
             metrics=dict(metrics or {}),
             reason="preemption" if self._signal is not None else "interval",
         )
-        self._apply_retention()
+        if dist.rank() == 0:
+            self._apply_retention()
         self._after_save()
         return info
 
@@ -227,7 +258,7 @@ class CheckpointManager:
         for c in candidates:
             if c.step not in keep:
                 delete_checkpoint(self.path_for(c.step))
-                self.events.write("delete", step=c.step, path=str(self.path_for(c.step)))
+                self._log("delete", step=c.step, path=str(self.path_for(c.step)))
 
     # ---- preemption ---------------------------------------------------------------------------
 
@@ -268,7 +299,7 @@ class CheckpointManager:
             signal.signal(sig, handler)
         self._previous_handlers.clear()
         if self._signal is not None:
-            self.events.write("preempted", signal=self._signal, saved=self._stop)
+            self._log("preempted", signal=self._signal, saved=self._stop)
 
     def __enter__(self) -> CheckpointManager:
         return self
