@@ -54,6 +54,28 @@ def all_gather_json(value: Any) -> list[Any]:
     return [json.loads(o[: int(n.item())].numpy().tobytes()) for o, n in zip(out, sizes)]
 
 
+def gather_json(value: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's ``value`` on rank ``dst`` (in rank order); None on the other ranks."""
+    if not is_distributed():
+        return [value]
+    group = _cpu_group()
+    payload = json.dumps(value).encode() or b" "
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size())]
+    dist.all_gather(sizes, torch.tensor([len(payload)]), group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    out = (
+        [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size())]
+        if rank() == dst
+        else None
+    )
+    dist.gather(padded, out, dst=dst, group=group)
+    if out is None:
+        return None
+    return [json.loads(o[: int(n.item())].numpy().tobytes()) for o, n in zip(out, sizes)]
+
+
 def broadcast_json(value: Any, src: int = 0) -> Any:
     """``value`` from rank ``src`` on every rank."""
     if not is_distributed():

@@ -187,12 +187,20 @@ class ReadPlan:
             return None  # no overlap (or an empty tensor: nothing to read)
         blocks = len(chunk.checksums)
         t = region.tensor
-        if box and chunk.shape == shape and chunk.offsets == region.offsets or not chunk.shape:
-            if t.device.type == "cpu" and t.is_contiguous():
-                return Segment(chunk.begin, flat_bytes(t)), _Pending(entry, chunk, 0, blocks, None)
+        inside = all(
+            a == co and b == co + cs for (a, b), co, cs in zip(box, chunk.offsets, chunk.shape)
+        )
+        if inside:  # the whole chunk lands in the region (always so for a 0-d tensor)
+            dst = t
+            for dim, ((lo, hi), ro) in enumerate(zip(box, region.offsets)):
+                dst = dst.narrow(dim, lo - ro, hi - lo)
+            if dst.device.type == "cpu" and dst.is_contiguous():  # e.g. a row shard
+                return Segment(chunk.begin, flat_bytes(dst)), _Pending(
+                    entry, chunk, 0, blocks, None
+                )
             tmp = torch.empty(chunk.shape, dtype=DTYPES[entry.dtype])
             return Segment(chunk.begin, flat_bytes(tmp)), _Pending(
-                entry, chunk, 0, blocks, (t, tmp)
+                entry, chunk, 0, blocks, (dst, tmp)
             )
         # Rows [a, b) of the chunk are needed; verified reads take whole checksum blocks.
         a, b = box[0][0] - chunk.offsets[0], box[0][1] - chunk.offsets[0]

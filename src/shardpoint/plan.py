@@ -1,14 +1,18 @@
 """Which rank writes which piece of which tensor, so every byte is written once and the
 busiest rank writes about as much as the average.
 
-Input: what every rank holds (gathered once per save). Every rank runs the same
-deterministic planner on the same input, so no plan needs to be sent around.
+A chunk that only one rank can hold (a DTensor shard with no ``Replicate``
+placement: FSDP, TP) is written by that rank, and the planner only needs each rank's
+total of such bytes. Chunks that may be replicated (plain tensors, replicated DTensor
+dims) are gathered and planned; every rank runs the same deterministic planner on the
+same input, so no plan is sent around:
 
-1. A chunk held by one rank (an FSDP/TP shard, a per-rank value) is written by it.
-2. A large chunk held by several ranks (a DDP parameter, a replicated norm) is split
+1. A large chunk held by several ranks (a DDP parameter, a replicated norm) is split
    into row pieces, one per holder, the largest pieces to the least-loaded holders.
-3. The remaining small replicated chunks go, largest first, to the least-loaded
-   holder (longest-processing-time greedy).
+2. The other replicated chunks go, largest first, to the least-loaded holder
+   (longest-processing-time greedy); a chunk only one rank holds goes to it.
+
+So planning costs O(replicated chunks), whatever the number of sharded parameters.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class Holding:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
+    replicated: bool  # other ranks may hold the same chunk
 
     @property
     def nbytes(self) -> int:
@@ -42,7 +47,7 @@ class Holding:
     @staticmethod
     def from_json(doc: list[Any]) -> Holding:
         name, dtype, global_shape, offsets, shape = doc
-        return Holding(name, dtype, tuple(global_shape), tuple(offsets), tuple(shape))
+        return Holding(name, dtype, tuple(global_shape), tuple(offsets), tuple(shape), True)
 
 
 @dataclass(frozen=True)
@@ -56,11 +61,17 @@ class Piece:
     source: Holding  # the holding the writer takes the bytes from
 
 
-def plan_writes(holdings: list[list[Holding]], *, split_bytes: int = SPLIT_BYTES) -> list[Piece]:
-    """Assign every distinct chunk (or row piece of one) to exactly one writer."""
+def plan_writes(
+    sole_bytes: list[int], replicated: list[list[Holding]], *, split_bytes: int = SPLIT_BYTES
+) -> list[Piece]:
+    """Writers for the possibly-replicated chunks of every rank.
+
+    ``sole_bytes[r]``: what rank ``r`` writes anyway (its unreplicated shards);
+    ``replicated[r]``: the chunks rank ``r`` holds that others may hold too.
+    """
     groups: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
     first: dict[tuple[str, tuple[int, ...], tuple[int, ...]], Holding] = {}
-    for rank, held in enumerate(holdings):
+    for rank, held in enumerate(replicated):
         for h in held:
             key = (h.name, h.offsets, h.shape)
             ranks = groups.get(key)
@@ -70,19 +81,16 @@ def plan_writes(holdings: list[list[Holding]], *, split_bytes: int = SPLIT_BYTES
             else:
                 ranks.append(rank)
 
-    load = [0] * len(holdings)
+    load = list(sole_bytes)
     pieces: list[Piece] = []
-    small: list[tuple[Holding, list[int]]] = []
+    rest: list[tuple[Holding, list[int]]] = []
     for key, ranks in groups.items():
         h = first[key]
-        if len(ranks) == 1:
-            pieces.append(Piece(h.name, h.offsets, h.shape, ranks[0], h))
-            load[ranks[0]] += h.nbytes
-        elif h.nbytes >= split_bytes and h.shape and h.shape[0] >= len(ranks):
+        if len(ranks) > 1 and h.nbytes >= split_bytes and h.shape and h.shape[0] >= len(ranks):
             pieces.extend(_split_rows(h, ranks, load))
         else:
-            small.append((h, ranks))
-    for h, ranks in sorted(small, key=lambda x: -x[0].nbytes):
+            rest.append((h, ranks))
+    for h, ranks in sorted(rest, key=lambda x: -x[0].nbytes):
         writer = min(ranks, key=lambda r: (load[r], r))
         pieces.append(Piece(h.name, h.offsets, h.shape, writer, h))
         load[writer] += h.nbytes

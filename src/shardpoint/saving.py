@@ -37,7 +37,7 @@ from .gc_pause import gc_paused
 from .parallel import map_batched
 from .plan import Holding, Piece, plan_writes
 from .storage.local import ZERO_COPY_MIN_BYTES, LocalDirectory, Segment, fsync_directory
-from .tensor_kinds import local_part
+from .tensor_kinds import local_part, may_be_replicated
 from .tensor_memory import flat_bytes, host_contiguous
 from .tree import flatten, merge_trees
 
@@ -99,9 +99,11 @@ def save(
             prepare_error = exc
     # The one gather of structure per save; it also orders every write after rank 0's
     # preparation of the directory.
+    sole = [h for h in holdings if not h.replicated]
     gathered = dist.all_gather_json(
         {
-            "holdings": [h.to_json() for h in holdings],
+            "sole_bytes": sum(h.nbytes for h in sole),
+            "replicated": [h.to_json() for h in holdings if h.replicated],
             "tree": flat.tree,
             "aliases": aliases,
             "error": str(prepare_error) if prepare_error else None,
@@ -112,8 +114,10 @@ def save(
     if gathered[0]["error"]:
         raise CheckpointError(gathered[0]["error"])
     tree = merge_trees([g["tree"] for g in gathered])
-    everyone = [[Holding.from_json(h) for h in g["holdings"]] for g in gathered]
-    mine = [p for p in plan_writes(everyone) if p.writer == me]
+    replicated = [[Holding.from_json(h) for h in g["replicated"]] for g in gathered]
+    plan = plan_writes([g["sole_bytes"] for g in gathered], replicated)
+    mine = [Piece(h.name, h.offsets, h.shape, me, h) for h in sole]
+    mine += [p for p in plan if p.writer == me]
 
     result: dict[str, Any] = {"files": {}, "chunks": [], "error": None}
     to_write: dict[str, tuple[int, list[Segment]]] = {}
@@ -126,20 +130,26 @@ def save(
         result["error"] = f"rank {me}: {exc}"
     # Doubles as the barrier before commit: rank 0 hears from every rank once its files
     # are durable (or failed).
-    results = dist.all_gather_json(result)
-    errors = [r["error"] for r in results if r["error"]]
+    results = dist.gather_json(result)
 
     outcome = None
-    if me == 0 and not errors:
-        try:
-            index_bytes = _index(tree, everyone, gathered, results, metadata).to_json()
-            storage.write_small_durably(INDEX_NAME, index_bytes)
-            fsync_directory(storage.root)
-            storage.write_small_durably(MARKER_NAME, marker_json(index_bytes))
-            fsync_directory(storage.root)
-        except OSError as exc:
-            outcome = f"rank 0 (commit): {exc}"
-    outcome = dist.broadcast_json(outcome if me == 0 else None) or (errors[0] if errors else None)
+    if results is not None:  # rank 0
+        errors = [r["error"] for r in results if r["error"]]
+        outcome = errors[0] if errors else None
+        if not errors:
+            try:
+                index_bytes = _index(tree, gathered, results, metadata).to_json()
+                storage.write_small_durably(INDEX_NAME, index_bytes)
+                fsync_directory(storage.root)
+                storage.write_small_durably(MARKER_NAME, marker_json(index_bytes))
+                fsync_directory(storage.root)
+            except OSError as exc:
+                outcome = f"rank 0 (commit): {exc}"
+        written = sum(sum(r["files"].values()) for r in results)
+        files = sum(len(r["files"]) for r in results)
+    else:
+        written, files = sum(result["files"].values()), len(result["files"])
+    outcome = dist.broadcast_json(outcome)
     if outcome:
         _remove_own(storage.root, [*to_write, *((INDEX_NAME, MARKER_NAME) if me == 0 else ())])
         raise CheckpointError(
@@ -147,10 +157,9 @@ def save(
             "and earlier checkpoints are untouched. Free disk space or fix permissions, "
             "then save again."
         )
-    written = sum(sum(r["files"].values()) for r in results)
     return SaveInfo(
         path=storage.root,
-        files=sum(len(r["files"]) for r in results),
+        files=files,
         tensors=len(flat.tensors),
         bytes_written=written,
         seconds=time.perf_counter() - start,
@@ -206,6 +215,8 @@ def _write_pieces(
             chunks.append(
                 {
                     "name": piece.name,
+                    "dtype": piece.source.dtype,
+                    "global_shape": list(piece.source.global_shape),
                     "file": file,
                     "key": key,
                     "offsets": list(piece.offsets),
@@ -235,15 +246,15 @@ def _piece_data(p: Piece, local: torch.Tensor) -> torch.Tensor:
 
 def _index(
     tree: Any,
-    holdings: list[list[Holding]],
     gathered: list[dict[str, Any]],
     results: list[dict[str, Any]],
     metadata: dict[str, Any] | None,
 ) -> Index:
-    meta = {h.name: h for held in holdings for h in held}
     chunks_of: dict[str, list[Chunk]] = {}
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
     for r in results:
         for c in r["chunks"]:
+            meta[c["name"]] = (c["dtype"], tuple(c["global_shape"]))
             chunks_of.setdefault(c["name"], []).append(
                 Chunk(
                     c["file"],
@@ -258,10 +269,7 @@ def _index(
             )
     entries = {
         name: TensorEntry(
-            name,
-            meta[name].dtype,
-            meta[name].global_shape,
-            tuple(sorted(chunks, key=lambda c: c.offsets)),
+            name, meta[name][0], meta[name][1], tuple(sorted(chunks, key=lambda c: c.offsets))
         )
         for name, chunks in chunks_of.items()
     }
@@ -326,7 +334,8 @@ def _holdings(
             continue
         if identity is not None:
             seen[identity] = name
-        holdings.append(Holding(name, dtype, global_shape, offsets, tuple(part.shape)))
+        replicated = may_be_replicated(t)
+        holdings.append(Holding(name, dtype, global_shape, offsets, tuple(part.shape), replicated))
         local[name] = host_contiguous(part)
     return holdings, aliases, local
 

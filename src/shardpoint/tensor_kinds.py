@@ -12,7 +12,7 @@ import torch
 from .errors import UnsupportedValueError
 
 try:
-    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor import DTensor, Partial, Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:  # torch built without distributed support
     DTensor = None  # type: ignore[assignment,misc]
@@ -26,6 +26,18 @@ def local_part(t: torch.Tensor, name: str) -> tuple[torch.Tensor, tuple[int, ...
     """(local tensor, global shape, offsets of the local tensor in the global one)."""
     if not is_dtensor(t):
         return t, tuple(t.shape), (0,) * t.dim()
+    return _dtensor_part(t, name)
+
+
+def may_be_replicated(t: torch.Tensor) -> bool:
+    """Whether other ranks may hold the same chunk: plain tensors (DDP) and DTensors with a
+    ``Replicate`` placement. A DTensor sharded on every mesh dim is unique to its rank."""
+    return not is_dtensor(t) or any(isinstance(p, Replicate) for p in t.placements)
+
+
+def _dtensor_part(
+    t: torch.Tensor, name: str
+) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     if any(isinstance(p, Partial) for p in t.placements):
         raise UnsupportedValueError(
             f"cannot save DTensor {name!r} with a Partial placement (a pending reduction); "
