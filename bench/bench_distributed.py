@@ -151,15 +151,16 @@ def main() -> None:
             runs = []
             for _ in range(args.reps):
                 out = root / "out.json"
+                shutil.rmtree(root / f"shardpoint-{world}", ignore_errors=True)
                 run_ranks(world, _run, str(root), args.tensors, str(out))
                 runs.append(json.loads(out.read_text()))
-                if world != 4:
-                    shutil.rmtree(root / f"shardpoint-{world}")
             times = {k: statistics.median(r["times"][k] for r in runs) for k in runs[0]["times"]}
             results["worlds"][world] = {
                 "seconds": times,
                 "bytes_per_rank": runs[-1]["bytes_per_rank"],
             }
+        for world in (1, 2):
+            shutil.rmtree(root / f"shardpoint-{world}", ignore_errors=True)
         out = root / "reshard.json"
         run_ranks(2, _reshard_load, str(root / "shardpoint-4"), args.tensors, str(out))
         reshard = json.loads(out.read_text())
