@@ -175,9 +175,9 @@ def _write_pieces(
     threads: int,
 ) -> tuple[dict[str, tuple[int, list[Segment]]], list[dict[str, Any]]]:
     """Write this rank's pieces into its own files; returns the files and chunk records."""
-    data = {_piece_key(p): _piece_data(p, local[p.name]) for p in pieces}
-    files = _pack([_piece_key(p) for p in pieces], data, max_shard_size, rank)
     by_key = {_piece_key(p): p for p in pieces}
+    data = {key: _piece_data(p, local[p.name]) for key, p in by_key.items()}
+    files = _pack(list(by_key), data, max_shard_size, rank)
     to_write: dict[str, tuple[int, list[Segment]]] = {}
     placed: list[tuple[Piece, str, str, TensorSlot, int, torch.Tensor]] = []
     for file, keys in files.items():
@@ -311,6 +311,7 @@ def _holdings(
     Returns the holdings, alias name -> stored name (views of the same memory), and
     name -> the local bytes as a contiguous host tensor.
     """
+    world = dist.world_size()
     seen: dict[tuple[Any, ...], str] = {}
     holdings: list[Holding] = []
     aliases: dict[str, str] = {}
@@ -334,7 +335,7 @@ def _holdings(
             continue
         if identity is not None:
             seen[identity] = name
-        replicated = may_be_replicated(t)
+        replicated = world > 1 and may_be_replicated(t)
         holdings.append(Holding(name, dtype, global_shape, offsets, tuple(part.shape), replicated))
         local[name] = host_contiguous(part)
     return holdings, aliases, local
