@@ -9,7 +9,7 @@ Every save is timed until its files are durable: peers that do not fsync get an 
 of their output files inside the timed region, as shardpoint does. "Cold" loads drop
 the page cache of the checkpoint files first. Prints a table, writes JSON.
 
-    python bench/bench_save_load.py [--dir DIR] [--reps 3] [--quick]
+    python bench/bench_save_load.py [--dir DIR] [--reps 3] [--quick] [--only large|small]
 """
 
 from __future__ import annotations
@@ -275,6 +275,7 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a small state, to check the script runs"
     )
+    parser.add_argument("--only", choices=["large", "small"], default=None, help="run one case")
     parser.add_argument("--out", type=Path, default=Path("bench/results/save_load.json"))
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="shardpoint-bench-", dir=args.dir))
@@ -282,10 +283,8 @@ def main() -> None:
         if args.quick:
             cases = {"large": large_state(4, 1024 * 1024), "small": small_state(500)}
         else:
-            cases = {
-                "large (48 x 32 MB fp32)": large_state(),
-                "small (10,000 tensors)": small_state(),
-            }
+            makers = {"large (48 x 32 MB fp32)": large_state, "small (10,000 tensors)": small_state}
+            cases = {k: make() for k, make in makers.items() if k.startswith(args.only or "")}
         results = {
             "machine": {
                 "cpus": os.cpu_count(),
