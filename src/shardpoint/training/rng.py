@@ -15,10 +15,11 @@ import torch
 import xxhash
 
 
-def capture_rng() -> dict[str, Any]:
-    version, internal, gauss_next = random.getstate()
-    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    state: dict[str, Any] = {
+def _streams(py_state: tuple, np_state: tuple, torch_state: torch.Tensor) -> dict[str, Any]:
+    """The CPU streams as tensors and plain values (what the checkpoint stores)."""
+    version, internal, gauss_next = py_state
+    kind, keys, pos, has_gauss, cached_gaussian = np_state
+    return {
         "python": {
             "version": version,
             "state": torch.tensor(internal, dtype=torch.int64),
@@ -31,8 +32,12 @@ def capture_rng() -> dict[str, Any]:
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached_gaussian),
         },
-        "torch": torch.get_rng_state(),
+        "torch": torch_state,
     }
+
+
+def capture_rng() -> dict[str, Any]:
+    state = _streams(random.getstate(), np.random.get_state(), torch.get_rng_state())
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
     return state
@@ -70,26 +75,11 @@ def reseed_streams(state: dict[str, Any], rank: int) -> dict[str, Any]:
     ``rank``, so they are reproducible and differ from every other rank's."""
     digest = xxhash.xxh3_64_intdigest(state["torch"].numpy().tobytes() + rank.to_bytes(8, "little"))
     seed = digest % (2**63)
-    g = torch.Generator().manual_seed(seed)
-    py_random = random.Random(seed)
-    np_random = np.random.RandomState(seed % (2**32))
-    kind, keys, pos, has_gauss, cached = np_random.get_state()
-    version, internal, gauss_next = py_random.getstate()
-    out: dict[str, Any] = {
-        "python": {
-            "version": version,
-            "state": torch.tensor(internal, dtype=torch.int64),
-            "gauss_next": gauss_next,
-        },
-        "numpy": {
-            "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
-        "torch": g.get_state(),
-    }
+    out = _streams(
+        random.Random(seed).getstate(),
+        np.random.RandomState(seed % (2**32)).get_state(),
+        torch.Generator().manual_seed(seed).get_state(),
+    )
     if "cuda" in state:
         out["cuda_seed"] = seed  # CUDA generators are seeded, not given a CPU state
     return out
