@@ -90,8 +90,3 @@ def max_of(values: list[int]) -> list[int]:
     t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
     return [int(v) for v in t.tolist()]
-
-
-def barrier() -> None:
-    if is_distributed():
-        dist.barrier(group=_cpu_group())
