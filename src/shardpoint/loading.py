@@ -178,15 +178,18 @@ class ReadPlan:
     def _plan_chunk(
         self, entry: TensorEntry, chunk: Chunk, region: _Region, verify: bool
     ) -> tuple[Segment, _Pending] | None:
-        shape = tuple(region.tensor.shape)
+        t = region.tensor
+        blocks = len(chunk.checksums)
+        if chunk.offsets == region.offsets and chunk.shape == t.shape:  # the common case
+            if t.device.type == "cpu" and t.is_contiguous():
+                return Segment(chunk.begin, flat_bytes(t)), _Pending(entry, chunk, 0, blocks, None)
+        shape = tuple(t.shape)
         box = [
             (max(o, co), min(o + s, co + cs))
             for o, s, co, cs in zip(region.offsets, shape, chunk.offsets, chunk.shape)
         ]
         if any(a >= b for a, b in box):
             return None  # no overlap (or an empty tensor: nothing to read)
-        blocks = len(chunk.checksums)
-        t = region.tensor
         inside = all(
             a == co and b == co + cs for (a, b), co, cs in zip(box, chunk.offsets, chunk.shape)
         )

@@ -162,7 +162,9 @@ def check_file_name(name: object, where: str) -> str:
     return name
 
 
-def _ints(value: object, what: str, where: str, *, length: int | None = None) -> tuple[int, ...]:
+def _ints(
+    value: object, what: str, of: str, where: str, *, length: int | None = None
+) -> tuple[int, ...]:
     # A plain loop: this runs for every chunk of every tensor, generators cost 2x here.
     ok = type(value) is list and (length is None or len(value) == length)
     if ok:
@@ -172,7 +174,7 @@ def _ints(value: object, what: str, where: str, *, length: int | None = None) ->
                 break
     if not ok:
         raise CorruptCheckpointError(
-            f"{where}: {what} must be a list of non-negative ints, got {value!r}"
+            f"{where}: {what} of {of!r} must be a list of non-negative ints, got {value!r}"
         )
     return tuple(value)  # type: ignore[arg-type]
 
@@ -211,7 +213,7 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
     files: dict[str, int] = {}
     for name, info in doc["files"].items():
         check_file_name(name, where)
-        files[name] = _ints([info["size"]], f"size of {name}", where)[0]
+        files[name] = _ints([info["size"]], "size", name, where)[0]
 
     entries: dict[str, TensorEntry] = {}
     aliases: dict[str, str] = {}
@@ -222,7 +224,7 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
         dtype = spec["dtype"]
         if dtype not in DTYPES:
             raise CorruptCheckpointError(f"{where}: entry {name!r} has unknown dtype {dtype!r}")
-        shape = _ints(spec["shape"], f"shape of {name!r}", where)
+        shape = _ints(spec["shape"], "shape", name, where)
         chunks = tuple(_parse_chunk(c, name, dtype, shape, files, where) for c in spec["chunks"])
         _check_cover(name, shape, chunks, where)
         entries[name] = TensorEntry(name, dtype, shape, chunks)
@@ -274,9 +276,9 @@ def _parse_chunk(
         raise CorruptCheckpointError(
             f"{where}: entry {name!r} names file {file!r} not listed in files"
         )
-    offsets = _ints(spec["offsets"], f"offsets of {name!r}", where, length=len(shape))
-    cshape = _ints(spec["shape"], f"chunk shape of {name!r}", where, length=len(shape))
-    begin, end = _ints(spec["byte_range"], f"byte_range of {name!r}", where, length=2)
+    offsets = _ints(spec["offsets"], "offsets", name, where, length=len(shape))
+    cshape = _ints(spec["shape"], "chunk shape", name, where, length=len(shape))
+    begin, end = _ints(spec["byte_range"], "byte_range", name, where, length=2)
     if offsets != (0,) * len(shape) or cshape != shape:  # a whole tensor needs no more checks
         if any(o + s > d for o, s, d in zip(offsets, cshape, shape)):
             raise CorruptCheckpointError(
@@ -287,7 +289,7 @@ def _parse_chunk(
             f"{where}: chunk of {name!r} has byte_range [{begin}, {end}] inconsistent with its "
             f"shape or with the size of {file}"
         )
-    (block_rows,) = _ints([spec["block_rows"]], f"block_rows of {name!r}", where)
+    (block_rows,) = _ints([spec["block_rows"]], "block_rows", name, where)
     digests = spec["checksums"]
     rows = cshape[0] if cshape else 1
     if (
