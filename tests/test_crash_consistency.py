@@ -1,0 +1,123 @@
+"""Kill a checkpointing process with SIGKILL at every kind of point; nothing committed is lost.
+
+A forked child restores from a CheckpointManager directory and saves three more steps
+(keep_last=2, so retention deletes as it goes). Every file-system call it makes
+(open, pwrite, fsync, ftruncate, replace, unlink, rmdir) is counted, and the child
+SIGKILLs itself at call number ``k``: in the middle of writing shards, fsyncing,
+renaming the index or the marker into place, or deleting an old checkpoint. The parent
+then checks the invariants, and the next child continues in the same directory.
+
+SHARDPOINT_KILL_POINTS sets how many kill points to try (default 200; more for a soak).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from shardpoint import CheckpointManager
+from shardpoint.format.index import MARKER_NAME
+
+KILL_POINTS = int(os.environ.get("SHARDPOINT_KILL_POINTS", "200"))
+CALLS = ("open", "pwrite", "fsync", "ftruncate", "replace", "unlink", "rmdir")
+
+
+def state_of(step: int) -> dict:
+    """The state saved at ``step``: its values say which step they belong to."""
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(300, 7, generator=g), "b": torch.full((5,), float(step)), "step": step}
+
+
+def _template() -> dict:
+    return {"w": torch.zeros(300, 7), "b": torch.zeros(5), "step": -1}
+
+
+def _child(root: Path, kill_at: int, report: int) -> None:
+    count = [0]
+
+    def counted(name: str):  # noqa: ANN202
+        real = getattr(os, name)
+
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            count[0] += 1
+            if count[0] == kill_at:
+                target = os.fspath(args[0]) if args and isinstance(args[0], (str, os.PathLike)) else ""
+                os.write(report, f"{name} {Path(target).name}\n".encode())
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in CALLS:
+        setattr(os, name, counted(name))
+    manager = CheckpointManager(root, every_n_steps=1, keep_last=2, preemption_signals=())
+    state = _template()
+    start = manager.restore(state) or 0
+    for step in range(start + 1, start + 4):
+        manager.save(step, state_of(step))
+        with open(root.parent / "committed.log", "a") as log:  # after save returned
+            log.write(f"{step}\n")
+    os._exit(0)
+
+
+def _run_child(root: Path, kill_at: int) -> tuple[bool, str]:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child never returns
+        try:
+            os.close(read)
+            _child(root, kill_at, write)
+        finally:
+            os._exit(3)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    where = os.read(read, 4096).decode().strip()
+    os.close(read)
+    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert killed or os.WEXITSTATUS(status) == 0, f"child failed with status {status}"
+    return killed, where
+
+
+def test_sigkill_at_any_point_never_loses_a_committed_checkpoint(tmp_path):
+    root = tmp_path / "ckpts"
+    log = tmp_path / "committed.log"
+    phases: dict[str, int] = {}
+    kills = 0
+    for i in range(KILL_POINTS):
+        kill_at = 1 + (i * 37) % 97  # spread over restore, the three saves and retention
+        killed, where = _run_child(root, kill_at)
+        if killed:
+            kills += 1
+            call, _, target = where.partition(" ")
+            phase = "marker" if MARKER_NAME in target else "index" if "index" in target else (
+                "shard" if target.endswith(".safetensors") else "directory")
+            phases[f"{call}:{phase}"] = phases.get(f"{call}:{phase}", 0) + 1
+
+        committed = [int(x) for x in log.read_text().split()] if log.exists() else []
+        manager = CheckpointManager(root, every_n_steps=1, keep_last=2, preemption_signals=())
+        visible = manager.steps()
+        # No committed checkpoint is lost: the newest one the process saw commit is there.
+        if committed:
+            assert max(committed) in visible or max(visible) > max(committed), (visible, committed)
+        # Visible means complete: every visible checkpoint loads, with its own step's values.
+        for step in visible:
+            state = _template()
+            from shardpoint import load
+
+            load(state, manager.path_for(step))
+            expected = state_of(step)
+            assert state["step"] == step
+            assert torch.equal(state["w"], expected["w"]) and torch.equal(state["b"], expected["b"])
+        # The manager cleaned up what the crash left: only committed step directories remain.
+        leftovers = [p for p in root.iterdir() if p.name.startswith("step-") and not (p / MARKER_NAME).exists()]
+        assert not leftovers, leftovers
+
+    assert kills >= KILL_POINTS // 2, kills
+    covered = {key.split(":")[1] for key in phases}
+    assert {"shard", "index", "marker", "directory"} <= covered, phases
+    assert any(k.startswith("unlink:") for k in phases), phases  # retention and cleanup
+    assert any(k.startswith("fsync:") for k in phases), phases
+    print(f"\n{kills} kills in {KILL_POINTS} runs; by call and file: {dict(sorted(phases.items()))}")
