@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from shardpoint import CheckpointManager
+from shardpoint import CheckpointManager, load
 from shardpoint.format.index import MARKER_NAME
 
 KILL_POINTS = int(os.environ.get("SHARDPOINT_KILL_POINTS", "200"))
@@ -37,17 +37,21 @@ def _template() -> dict:
 
 def _child(root: Path, kill_at: int, report: int) -> None:
     count = [0]
+    paths: dict[int, str] = {}  # fd -> path, to say which file a pwrite or fsync was for
 
     def counted(name: str):  # noqa: ANN202
         real = getattr(os, name)
 
         def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             count[0] += 1
+            target = paths.get(args[0], "") if isinstance(args[0], int) else os.fspath(args[0])
             if count[0] == kill_at:
-                target = os.fspath(args[0]) if args and isinstance(args[0], (str, os.PathLike)) else ""
                 os.write(report, f"{name} {Path(target).name}\n".encode())
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real(*args, **kwargs)
+            result = real(*args, **kwargs)
+            if name == "open":
+                paths[result] = target
+            return result
 
         return call
 
@@ -92,8 +96,14 @@ def test_sigkill_at_any_point_never_loses_a_committed_checkpoint(tmp_path):
         if killed:
             kills += 1
             call, _, target = where.partition(" ")
-            phase = "marker" if MARKER_NAME in target else "index" if "index" in target else (
-                "shard" if target.endswith(".safetensors") else "directory")
+            if MARKER_NAME in target:
+                phase = "marker"
+            elif "index" in target:
+                phase = "index"
+            elif target.endswith(".safetensors"):
+                phase = "shard"
+            else:
+                phase = "directory"  # fsync of a directory, rmdir
             phases[f"{call}:{phase}"] = phases.get(f"{call}:{phase}", 0) + 1
 
         committed = [int(x) for x in log.read_text().split()] if log.exists() else []
@@ -105,19 +115,23 @@ def test_sigkill_at_any_point_never_loses_a_committed_checkpoint(tmp_path):
         # Visible means complete: every visible checkpoint loads, with its own step's values.
         for step in visible:
             state = _template()
-            from shardpoint import load
-
             load(state, manager.path_for(step))
             expected = state_of(step)
             assert state["step"] == step
             assert torch.equal(state["w"], expected["w"]) and torch.equal(state["b"], expected["b"])
         # The manager cleaned up what the crash left: only committed step directories remain.
-        leftovers = [p for p in root.iterdir() if p.name.startswith("step-") and not (p / MARKER_NAME).exists()]
+        leftovers = [
+            p
+            for p in root.iterdir()
+            if p.name.startswith("step-") and not (p / MARKER_NAME).exists()
+        ]
         assert not leftovers, leftovers
 
     assert kills >= KILL_POINTS // 2, kills
     covered = {key.split(":")[1] for key in phases}
     assert {"shard", "index", "marker", "directory"} <= covered, phases
     assert any(k.startswith("unlink:") for k in phases), phases  # retention and cleanup
-    assert any(k.startswith("fsync:") for k in phases), phases
-    print(f"\n{kills} kills in {KILL_POINTS} runs; by call and file: {dict(sorted(phases.items()))}")
+    assert {"pwrite:shard", "fsync:shard", "replace:index", "replace:marker"} <= set(phases), phases
+    print(
+        f"\n{kills} kills in {KILL_POINTS} runs; by call and file: {dict(sorted(phases.items()))}"
+    )
