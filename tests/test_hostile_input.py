@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import tempfile
+from pathlib import Path
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardpoint
@@ -13,17 +16,13 @@ from shardpoint.errors import CorruptCheckpointError
 from shardpoint.format.index import INDEX_NAME, parse_index
 
 
-def _valid_index(tmp_path_factory) -> bytes:
-    path = tmp_path_factory.mktemp("idx") / "ckpt"
-    state = {
-        "w": torch.ones(3, 2),
-        "nested": {"b": torch.arange(4)},
-        "meta": (1, "x", None),
-        "tied": None,
-    }
-    state["tied"] = state["w"]
-    shardpoint.save(state, path)
-    return (path / INDEX_NAME).read_bytes()
+@functools.cache
+def _valid_index() -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        w = torch.ones(3, 2)
+        state = {"w": w, "tied": w, "nested": {"b": torch.arange(4)}, "meta": (1, "x", None)}
+        shardpoint.save(state, f"{tmp}/ckpt")
+        return Path(f"{tmp}/ckpt/{INDEX_NAME}").read_bytes()
 
 
 json_values = st.recursive(
@@ -59,21 +58,10 @@ def _set(doc, path, value):
     return doc
 
 
-@settings(
-    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=400, deadline=None)
 @given(data=st.data())
-def test_any_value_anywhere_in_the_index_gives_a_typed_error_or_a_consistent_index(
-    tmp_path_factory, data
-):
-    raw = (
-        _valid_index(tmp_path_factory)
-        if not hasattr(
-            test_any_value_anywhere_in_the_index_gives_a_typed_error_or_a_consistent_index, "raw"
-        )
-        else test_any_value_anywhere_in_the_index_gives_a_typed_error_or_a_consistent_index.raw
-    )  # noqa: E501
-    test_any_value_anywhere_in_the_index_gives_a_typed_error_or_a_consistent_index.raw = raw
+def test_any_value_anywhere_in_the_index_gives_a_typed_error_or_a_consistent_index(data):
+    raw = _valid_index()
     doc = json.loads(raw)
     paths = list(_paths(doc))
     path = data.draw(st.sampled_from(paths))
