@@ -236,3 +236,59 @@ def test_a_full_disk_fails_cleanly_and_keeps_earlier_checkpoints(tmp_path, monke
     dest = {"a": torch.empty(1000)}
     shardpoint.load(dest, tmp_path / "step1")
     assert torch.equal(dest["a"], torch.ones(1000))
+
+
+def _writes_of_one_save(tmp_path) -> int:
+    """How many pwrite/fsync/replace calls one save of the test state makes."""
+    calls = [0]
+    real = {name: getattr(os, name) for name in ("pwrite", "fsync", "replace")}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            return real[name](*args, **kwargs)
+
+        return call
+
+    for name in real:
+        setattr(os, name, counting(name))
+    try:
+        shardpoint.save(_io_state(), tmp_path / "probe", max_shard_size=4000)
+    finally:
+        for name, fn in real.items():
+            setattr(os, name, fn)
+    return calls[0]
+
+
+def _io_state():
+    return {f"t{i}": torch.full((700,), float(i)) for i in range(4)} | {"step": 1}
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_an_io_error_at_every_write_call_fails_cleanly(tmp_path, monkeypatch, code):
+    shardpoint.save({"a": torch.ones(10)}, tmp_path / "earlier")
+    total = _writes_of_one_save(tmp_path)
+    assert total >= 10
+    for k in range(1, total + 1):
+        calls = [0]
+        real = {name: getattr(os, name) for name in ("pwrite", "fsync", "replace")}
+
+        def failing(name, real=real, calls=calls, k=k):
+            def call(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == k:
+                    raise OSError(code, os.strerror(code))
+                return real[name](*args, **kwargs)
+
+            return call
+
+        for name in real:
+            monkeypatch.setattr(os, name, failing(name))
+        target = tmp_path / f"attempt{k}"
+        with pytest.raises(CheckpointError, match=os.strerror(code)):
+            shardpoint.save(_io_state(), target, max_shard_size=4000)
+        monkeypatch.undo()
+        assert not target.exists(), (k, sorted(p.name for p in target.iterdir()))
+    dest = {"a": torch.zeros(10)}
+    shardpoint.load(dest, tmp_path / "earlier")
+    assert torch.equal(dest["a"], torch.ones(10))

@@ -376,10 +376,18 @@ def _prepare_directory(root: Path) -> None:
                 f"{root}: directory holds files that are not from an unfinished shardpoint save "
                 f"({foreign[:3]}); save to an empty or new directory"
             )
-        for p in root.iterdir():  # leftovers of a crashed save, never committed
-            p.unlink()
-    root.mkdir(parents=True, exist_ok=True)
-    fsync_directory(root.parent)
+    try:
+        if root.exists():
+            for p in root.iterdir():  # leftovers of a crashed save, never committed
+                p.unlink()
+        root.mkdir(parents=True, exist_ok=True)
+        fsync_directory(root.parent)
+    except OSError as exc:
+        _remove_own(root, [])
+        raise CheckpointError(
+            f"{root}: cannot prepare the checkpoint directory ({exc}); nothing was written "
+            "and earlier checkpoints are untouched. Check free space and permissions."
+        ) from exc
 
 
 def _remove_own(root: Path, names: Iterable[str]) -> None:
