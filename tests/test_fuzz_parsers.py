@@ -1,0 +1,36 @@
+"""Runs the coverage-guided fuzz target for a bounded number of inputs (see fuzz/)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import shardpoint
+
+TARGET = Path(__file__).resolve().parents[1] / "fuzz" / "fuzz_parsers.py"
+SECONDS = 20  # per CI run; a soak: python fuzz/fuzz_parsers.py -max_total_time=3600
+
+
+def test_parsers_survive_coverage_guided_fuzzing(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    w = torch.arange(6.0).reshape(2, 3)
+    shardpoint.save(
+        {"w": w, "tied": w, "meta": (1, b"x", None), "b": torch.ones(2).bfloat16()}, ckpt
+    )
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "index").write_bytes(b"\x01" + (ckpt / "index.json").read_bytes())
+    (corpus / "shard").write_bytes(b"\x00" + next(ckpt.glob("*.safetensors")).read_bytes())
+    done = subprocess.run(
+        [sys.executable, str(TARGET), f"-max_total_time={SECONDS}", str(corpus)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("Done ") and int(last.split()[1]) > 1000, last  # inputs executed
+    print(last)
