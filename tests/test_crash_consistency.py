@@ -135,3 +135,78 @@ def test_sigkill_at_any_point_never_loses_a_committed_checkpoint(tmp_path):
     print(
         f"\n{kills} kills in {KILL_POINTS} runs; by call and file: {dict(sorted(phases.items()))}"
     )
+
+
+TWO_RANK_KILL_POINTS = int(os.environ.get("SHARDPOINT_TWO_RANK_KILL_POINTS", "30"))
+
+
+def _rank_state(step: int, rank: int) -> dict:
+    shared = state_of(step)  # the same on both ranks: written once, split between them
+    return {
+        "shared": shared["w"],
+        "ranks": {rank: torch.full((4,), float(10 * step + rank))},
+        "step": step,
+    }
+
+
+def _two_rank_template() -> dict:
+    return {
+        "shared": torch.zeros(300, 7),
+        "ranks": {0: torch.zeros(4), 1: torch.zeros(4)},
+        "step": -1,
+    }
+
+
+def _rank_child(rank: int, world: int, root: str, kill_rank: int, kill_at: int) -> None:
+    if rank == kill_rank:
+        count = [0]
+        for name in CALLS:
+            real = getattr(os, name)
+
+            def call(*args, _real=real, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                count[0] += 1
+                if count[0] == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return _real(*args, **kwargs)
+
+            setattr(os, name, call)
+    manager = CheckpointManager(root, every_n_steps=1, keep_last=2, preemption_signals=())
+    template = {"shared": torch.zeros(300, 7), "ranks": {rank: torch.zeros(4)}, "step": -1}
+    start = manager.restore(template) or 0
+    for step in range(start + 1, start + 3):
+        manager.save(step, _rank_state(step, rank))
+        if rank == 0:
+            with open(Path(root).parent / "committed.log", "a") as log:
+                log.write(f"{step}\n")
+
+
+def test_sigkill_of_one_rank_during_a_two_rank_save_never_exposes_a_partial_checkpoint(tmp_path):
+    from distributed import run_ranks
+
+    root = tmp_path / "ckpts"
+    log = tmp_path / "committed.log"
+    kills = 0
+    for i in range(TWO_RANK_KILL_POINTS):
+        kill_rank, kill_at = i % 2, 1 + (i * 7) % 41
+        try:
+            run_ranks(2, _rank_child, str(root), kill_rank, kill_at)
+        except Exception:  # the killed rank, and the peer whose collective broke
+            kills += 1
+        committed = [int(x) for x in log.read_text().split()] if log.exists() else []
+        manager = CheckpointManager(root, every_n_steps=1, keep_last=2, preemption_signals=())
+        visible = manager.steps()
+        if committed:
+            assert max(committed) in visible or max(visible) > max(committed), (visible, committed)
+        for step in visible:
+            state = _two_rank_template()
+            load(state, manager.path_for(step))
+            assert state["step"] == step
+            assert torch.equal(state["shared"], state_of(step)["w"])
+            assert [state["ranks"][r][0].item() for r in (0, 1)] == [10 * step, 10 * step + 1]
+        leftovers = [
+            p
+            for p in root.iterdir()
+            if p.name.startswith("step-") and not (p / MARKER_NAME).exists()
+        ]
+        assert not leftovers, leftovers
+    assert kills >= TWO_RANK_KILL_POINTS // 2, kills
