@@ -14,6 +14,7 @@ def big(ckpt_dir):
     torch.manual_seed(1)
     state = {f"layer{i}": torch.randn(256, 128) for i in range(8)}
     state["scalar"] = torch.tensor(2.5)
+    state["huge"] = torch.randn(4096, 256)  # 4 MB: 16 checksum blocks of 256 rows
     state["meta"] = {"step": 11, "name": "run"}
     shardpoint.save(state, ckpt_dir, metadata={"note": "hi"})
     return state
@@ -41,13 +42,33 @@ def test_get_reads_one_tensor_and_nothing_else(ckpt_dir, big, bytes_read):
     assert bytes_read["n"] == 256 * 128 * 4
 
 
-def test_get_slice_reads_only_the_rows_it_needs(ckpt_dir, big, bytes_read):
+def test_unverified_get_slice_reads_exactly_the_rows_it_needs(ckpt_dir, big, bytes_read):
     with shardpoint.open(ckpt_dir) as r:
-        s = r.get_slice("layer5")
+        s = r.get_slice("layer5", verify=False)
         assert s.shape == (256, 128) and s.dtype == torch.float32
         part = s[10:20, 5:9]
     assert torch.equal(part, big["layer5"][10:20, 5:9])
     assert bytes_read["n"] == 10 * 128 * 4
+
+
+def test_verified_get_slice_reads_the_checksum_block_around_its_rows(ckpt_dir, big, bytes_read):
+    with shardpoint.open(ckpt_dir) as r:
+        part = r.get_slice("huge")[1000:1010]
+    assert torch.equal(part, big["huge"][1000:1010])
+    assert bytes_read["n"] == 256 * 256 * 4  # one block of 256 rows, not the 4 MB tensor
+
+
+def test_verified_get_slice_catches_a_corrupt_block(ckpt_dir, big):
+    with shardpoint.open(ckpt_dir) as r:
+        (chunk,) = r.entry("huge").chunks
+        (shard,) = ckpt_dir.glob("*.safetensors")
+    raw = bytearray(shard.read_bytes())
+    raw[chunk.begin + 1005 * 256 * 4] ^= 0x01  # inside row 1005
+    shard.write_bytes(raw)
+    with shardpoint.open(ckpt_dir) as r:
+        with pytest.raises(shardpoint.CorruptCheckpointError, match="checksum mismatch in 'huge'"):
+            r.get_slice("huge")[1000:1010]
+        assert torch.equal(r.get_slice("huge")[0:10], big["huge"][0:10])  # other blocks are fine
 
 
 @pytest.mark.parametrize(
@@ -75,7 +96,7 @@ def test_get_slice_of_a_scalar(ckpt_dir, big):
 
 def test_keys_metadata_and_values_come_from_the_index_alone(ckpt_dir, big, bytes_read):
     with shardpoint.open(ckpt_dir) as r:
-        assert r.keys() == [f"layer{i}" for i in range(8)] + ["scalar"]
+        assert r.keys() == [f"layer{i}" for i in range(8)] + ["scalar", "huge"]
         assert "layer1" in r and "nope" not in r
         assert r.metadata["user"] == {"note": "hi"} and r.metadata["format_version"] == 1
         values = r.state(tensors=False)
