@@ -151,7 +151,13 @@ def save(
         written, files = sum(result["files"].values()), len(result["files"])
     outcome = dist.broadcast_json(outcome)
     if outcome:
-        _remove_own(storage.root, [*to_write, *((INDEX_NAME, MARKER_NAME) if me == 0 else ())])
+        # Only rank 0 may remove the shared directory: another rank's files may still be
+        # in flight when a fast-failing rank gets here.
+        _remove_own(
+            storage.root,
+            [*to_write, *((INDEX_NAME, MARKER_NAME) if me == 0 else ())],
+            remove_directory=me == 0,
+        )
         raise CheckpointError(
             f"{storage.root}: writing the checkpoint failed ({outcome}); nothing was committed "
             "and earlier checkpoints are untouched. Free disk space or fix permissions, "
@@ -208,7 +214,7 @@ def _write_pieces(
         try:
             storage.write_files(to_write, threads=threads)
         except OSError:
-            _remove_own(storage.root, to_write)
+            _remove_own(storage.root, to_write, remove_directory=False)
             raise
         chunks = []
         for (piece, key, file, slot, data_start, _), sums in zip(placed, digests()):
@@ -383,19 +389,24 @@ def _prepare_directory(root: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)
         fsync_directory(root.parent)
     except OSError as exc:
-        _remove_own(root, [])
+        _remove_own(root, [], remove_directory=True)  # rank 0, before any rank writes
         raise CheckpointError(
             f"{root}: cannot prepare the checkpoint directory ({exc}); nothing was written "
             "and earlier checkpoints are untouched. Check free space and permissions."
         ) from exc
 
 
-def _remove_own(root: Path, names: Iterable[str]) -> None:
-    """Remove what this rank wrote for a failed save: it leaves no trace to mistake."""
+def _remove_own(root: Path, names: Iterable[str], *, remove_directory: bool) -> None:
+    """Remove what this rank wrote for a failed save: it leaves no trace to mistake.
+
+    An empty directory left behind (another rank still cleaning up) has no marker, is
+    not a checkpoint, and is cleared by the next save or CheckpointManager start.
+    """
     for name in names:
         for leftover in (root / name, root / f"{name}.tmp"):
             leftover.unlink(missing_ok=True)
-    try:
-        root.rmdir()  # only succeeds when nothing else is in the directory
-    except OSError:
-        pass
+    if remove_directory:
+        try:
+            root.rmdir()  # only succeeds when nothing else is in the directory
+        except OSError:
+            pass
