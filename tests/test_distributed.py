@@ -369,3 +369,18 @@ def test_ddp_job_killed_with_sigkill_resumes_bit_identical(tmp_path):
     assert (run / "final.json").read_text() == (reference / "final.json").read_text()
     index = json.loads((run / "checkpoints" / "step-000000030" / INDEX_NAME).read_text())
     assert index["world_size"] == 2
+
+
+def _one_rank_refuses(rank: int, world: int, path: str) -> None:
+    state = {"w": torch.ones(3), "ranks": {rank: {1, 2} if rank == 1 else 0}}  # a set: no pickle
+    if rank == 1:
+        with pytest.raises(shardpoint.UnsupportedValueError, match="ranks.1"):
+            shardpoint.save(state, path)
+    else:
+        with pytest.raises(shardpoint.CheckpointError, match="another rank could not save: rank 1"):
+            shardpoint.save(state, path)
+
+
+def test_a_value_refused_on_one_rank_fails_every_rank_without_hanging(tmp_path):
+    run_ranks(2, _one_rank_refuses, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt" / MARKER_NAME).exists()

@@ -88,15 +88,22 @@ def save(
     """
     start = time.perf_counter()
     me = dist.rank()
-    flat = flatten(state)
-    holdings, aliases, local = _holdings(flat.tensors)
+    # A rank that fails before a collective still joins it, with its error, so that no
+    # other rank waits forever; then every rank raises.
+    own_error: CheckpointError | None = None
+    tree_here: Any = None
+    holdings: list[Holding] = []
+    aliases: dict[str, str] = {}
+    local: dict[str, torch.Tensor] = {}
     storage = LocalDirectory(path)
-    prepare_error: CheckpointError | None = None
-    if me == 0:
-        try:
+    try:
+        flat = flatten(state)
+        tree_here = flat.tree
+        holdings, aliases, local = _holdings(flat.tensors)
+        if me == 0:
             _prepare_directory(storage.root)
-        except CheckpointError as exc:
-            prepare_error = exc
+    except CheckpointError as exc:
+        own_error = exc
     # The one gather of structure per save; it also orders every write after rank 0's
     # preparation of the directory.
     sole = [h for h in holdings if not h.replicated]
@@ -104,15 +111,16 @@ def save(
         {
             "sole_bytes": sum(h.nbytes for h in sole),
             "replicated": [h.to_json() for h in holdings if h.replicated],
-            "tree": flat.tree,
+            "tree": tree_here,
             "aliases": aliases,
-            "error": str(prepare_error) if prepare_error else None,
+            "error": f"rank {me}: {own_error}" if own_error else None,
         }
     )
-    if prepare_error is not None:
-        raise prepare_error
-    if gathered[0]["error"]:
-        raise CheckpointError(gathered[0]["error"])
+    if own_error is not None:
+        raise own_error
+    failed = [g["error"] for g in gathered if g["error"]]
+    if failed:
+        raise CheckpointError(f"{storage.root}: another rank could not save: {failed[0]}")
     tree = merge_trees([g["tree"] for g in gathered])
     replicated = [[Holding.from_json(h) for h in g["replicated"]] for g in gathered]
     plan = plan_writes([g["sole_bytes"] for g in gathered], replicated)
@@ -126,7 +134,7 @@ def save(
             storage, mine, local, me, max_shard_size, threads
         )
         result["files"] = {name: size for name, (size, _) in to_write.items()}
-    except OSError as exc:
+    except Exception as exc:  # any failure must still reach the gather below
         result["error"] = f"rank {me}: {exc}"
     # Doubles as the barrier before commit: rank 0 hears from every rank once its files
     # are durable (or failed).
@@ -166,7 +174,7 @@ def save(
     return SaveInfo(
         path=storage.root,
         files=files,
-        tensors=len(flat.tensors),
+        tensors=len(local) + len(aliases),
         bytes_written=written,
         seconds=time.perf_counter() - start,
     )
