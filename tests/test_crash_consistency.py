@@ -85,6 +85,29 @@ def _run_child(root: Path, kill_at: int) -> tuple[bool, str]:
     return killed, where
 
 
+def _check_after_crash(root: Path, log: Path, template) -> list[tuple[int, dict]]:  # noqa: ANN001
+    """The invariants after a kill; returns each visible step with its loaded state."""
+    committed = [int(x) for x in log.read_text().split()] if log.exists() else []
+    manager = CheckpointManager(root, every_n_steps=1, keep_last=2, preemption_signals=())
+    visible = manager.steps()
+    # No committed checkpoint is lost: the newest one the process saw commit is there.
+    if committed:
+        assert max(committed) in visible or max(visible) > max(committed), (visible, committed)
+    # The manager cleaned up what the crash left: only committed step directories remain.
+    leftovers = [
+        p for p in root.iterdir() if p.name.startswith("step-") and not (p / MARKER_NAME).exists()
+    ]
+    assert not leftovers, leftovers
+    # Visible means complete: every visible checkpoint loads (the caller checks values).
+    loaded = []
+    for step in visible:
+        state = template()
+        load(state, manager.path_for(step))
+        assert state["step"] == step
+        loaded.append((step, state))
+    return loaded
+
+
 def test_sigkill_at_any_point_never_loses_a_committed_checkpoint(tmp_path):
     root = tmp_path / "ckpts"
     log = tmp_path / "committed.log"
@@ -106,26 +129,9 @@ def test_sigkill_at_any_point_never_loses_a_committed_checkpoint(tmp_path):
                 phase = "directory"  # fsync of a directory, rmdir
             phases[f"{call}:{phase}"] = phases.get(f"{call}:{phase}", 0) + 1
 
-        committed = [int(x) for x in log.read_text().split()] if log.exists() else []
-        manager = CheckpointManager(root, every_n_steps=1, keep_last=2, preemption_signals=())
-        visible = manager.steps()
-        # No committed checkpoint is lost: the newest one the process saw commit is there.
-        if committed:
-            assert max(committed) in visible or max(visible) > max(committed), (visible, committed)
-        # Visible means complete: every visible checkpoint loads, with its own step's values.
-        for step in visible:
-            state = _template()
-            load(state, manager.path_for(step))
+        for step, state in _check_after_crash(root, log, _template):
             expected = state_of(step)
-            assert state["step"] == step
             assert torch.equal(state["w"], expected["w"]) and torch.equal(state["b"], expected["b"])
-        # The manager cleaned up what the crash left: only committed step directories remain.
-        leftovers = [
-            p
-            for p in root.iterdir()
-            if p.name.startswith("step-") and not (p / MARKER_NAME).exists()
-        ]
-        assert not leftovers, leftovers
 
     assert kills >= KILL_POINTS // 2, kills
     covered = {key.split(":")[1] for key in phases}
@@ -192,21 +198,7 @@ def test_sigkill_of_one_rank_during_a_two_rank_save_never_exposes_a_partial_chec
             run_ranks(2, _rank_child, str(root), kill_rank, kill_at)
         except Exception:  # the killed rank, and the peer whose collective broke
             kills += 1
-        committed = [int(x) for x in log.read_text().split()] if log.exists() else []
-        manager = CheckpointManager(root, every_n_steps=1, keep_last=2, preemption_signals=())
-        visible = manager.steps()
-        if committed:
-            assert max(committed) in visible or max(visible) > max(committed), (visible, committed)
-        for step in visible:
-            state = _two_rank_template()
-            load(state, manager.path_for(step))
-            assert state["step"] == step
+        for step, state in _check_after_crash(root, log, _two_rank_template):
             assert torch.equal(state["shared"], state_of(step)["w"])
             assert [state["ranks"][r][0].item() for r in (0, 1)] == [10 * step, 10 * step + 1]
-        leftovers = [
-            p
-            for p in root.iterdir()
-            if p.name.startswith("step-") and not (p / MARKER_NAME).exists()
-        ]
-        assert not leftovers, leftovers
     assert kills >= TWO_RANK_KILL_POINTS // 2, kills
