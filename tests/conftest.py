@@ -28,3 +28,13 @@ def sample_state() -> dict:
         "b": {"c": torch.arange(10, dtype=torch.int64), "d": torch.randn(3, dtype=torch.float64)},
         "step": 3,
     }
+
+
+def read_losses(run_dir: Path) -> dict[int, str]:
+    """examples/train_char_lm.py's loss per step (float.hex); a step re-run after a resume
+    overrides the crashed run's value."""
+    out = {}
+    for line in (run_dir / "losses.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out[record["step"]] = record["loss"]
+    return out

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import read_losses
 from distributed import _free_port, run_ranks
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -348,14 +349,6 @@ def _torchrun(run_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
-def _losses(run_dir: Path) -> dict[int, str]:
-    out = {}
-    for line in (run_dir / "losses.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        out[r["step"]] = r["loss"]
-    return out
-
-
 def test_ddp_job_killed_with_sigkill_resumes_bit_identical(tmp_path):
     reference = tmp_path / "reference"
     assert _torchrun(reference).returncode == 0
@@ -365,7 +358,7 @@ def test_ddp_job_killed_with_sigkill_resumes_bit_identical(tmp_path):
     resumed = _torchrun(run)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from step 10" in resumed.stdout
-    assert _losses(run) == _losses(reference)
+    assert read_losses(run) == read_losses(reference)
     assert (run / "final.json").read_text() == (reference / "final.json").read_text()
     index = json.loads((run / "checkpoints" / "step-000000030" / INDEX_NAME).read_text())
     assert index["world_size"] == 2

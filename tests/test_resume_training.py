@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import read_losses
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_char_lm.py"
 ARGS = ["--steps", "45", "--save-every", "10", "--corpus-bytes", "10000", "--batch-size", "16"]
@@ -28,15 +29,6 @@ def train(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
     )
-
-
-def losses(run_dir: Path) -> dict[int, str]:
-    """The loss of every step; a step re-run after a resume overrides the crashed run's."""
-    out = {}
-    for line in (run_dir / "losses.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        out[record["step"]] = record["loss"]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +56,7 @@ def test_killed_run_resumes_bit_identical(tmp_path, reference, crash_at, phase, 
     resumed = train(tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert resumes_from in resumed.stdout
-    expected, got = losses(reference), losses(tmp_path)
+    expected, got = read_losses(reference), read_losses(tmp_path)
     assert sorted(got) == list(range(1, 46))
     assert got == expected  # float.hex of every step's loss
     final = json.loads((tmp_path / "final.json").read_text())
@@ -87,7 +79,7 @@ def test_sigterm_saves_exits_143_and_the_next_start_resumes(tmp_path, reference)
     os.kill(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    stopped_at = max(losses(tmp_path))
+    stopped_at = max(read_losses(tmp_path))
     assert f"preempted: saved step {stopped_at}" in out
     assert (tmp_path / "checkpoints" / f"step-{stopped_at:09d}" / "COMMITTED").exists()
     events = [
@@ -98,7 +90,7 @@ def test_sigterm_saves_exits_143_and_the_next_start_resumes(tmp_path, reference)
     resumed = train(tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from step {stopped_at}" in resumed.stdout
-    assert losses(tmp_path) == losses(reference)
+    assert read_losses(tmp_path) == read_losses(reference)
 
 
 def test_the_demo_crashes_resumes_and_reports_identical_runs(tmp_path):
