@@ -2,9 +2,9 @@
 
 Every check that needs no tensor bytes (commit marker, index, file sizes, shard
 headers, keys, shapes, dtypes) runs before the first byte is read, so a mismatch
-never leaves the state half overwritten. Bytes go straight into the destination
-tensors when they are contiguous CPU memory; otherwise through one temporary tensor
-per entry.
+never leaves the state half overwritten. A stored chunk that lands whole in
+contiguous CPU memory is read straight into it; otherwise (resharding, other devices,
+strided tensors) the rows needed are read into a temporary tensor and copied.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """Local file system backend: parallel block I/O between tensors and shard files.
 
-Writes use O_DIRECT, which measured about 2x faster than buffered writes + fsync on
-the benchmark machine (docs/benchmarks.md). A large tensor whose address and file
+Writes use O_DIRECT, which measured several times faster than buffered writes + fsync
+on the benchmark machine (docs/benchmarks.md). A large tensor whose address and file
 offset agree modulo the page size is written straight from its memory; everything
 else is copied into page-aligned bounce buffers first. File systems without O_DIRECT
 (tmpfs, some FUSE mounts) fall back to buffered writes from tensor memory.
 
-Reads go through the page cache (see ``read_ranges``).
+Reads use O_DIRECT for files that are not in the page cache and the cache for those
+that are (see ``read_ranges``).
 """
 
 from __future__ import annotations
