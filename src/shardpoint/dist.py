@@ -38,20 +38,30 @@ def _cpu_group() -> Any:
     return _CPU_GROUP
 
 
+def _padded(value: Any, group: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``value`` as JSON bytes padded to the longest payload of any rank, and every
+    rank's true length (gathered first, so all buffers have one size)."""
+    payload = json.dumps(value).encode() or b" "
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size())]
+    dist.all_gather(sizes, torch.tensor([len(payload)]), group=group)
+    padded = torch.zeros(int(max(s.item() for s in sizes)), dtype=torch.uint8)
+    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return padded, sizes
+
+
+def _decoded(out: list[torch.Tensor], sizes: list[torch.Tensor]) -> list[Any]:
+    return [json.loads(o[: int(n.item())].numpy().tobytes()) for o, n in zip(out, sizes)]
+
+
 def all_gather_json(value: Any) -> list[Any]:
     """Every rank's ``value`` (JSON-serialisable), in rank order."""
     if not is_distributed():
         return [value]
     group = _cpu_group()
-    payload = torch.frombuffer(bytearray(json.dumps(value).encode() or b" "), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size())]
-    dist.all_gather(sizes, torch.tensor([payload.numel()]), group=group)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size())]
+    padded, sizes = _padded(value, group)
+    out = [torch.empty_like(padded) for _ in range(world_size())]
     dist.all_gather(out, padded, group=group)
-    return [json.loads(o[: int(n.item())].numpy().tobytes()) for o, n in zip(out, sizes)]
+    return _decoded(out, sizes)
 
 
 def gather_json(value: Any, dst: int = 0) -> list[Any] | None:
@@ -59,21 +69,10 @@ def gather_json(value: Any, dst: int = 0) -> list[Any] | None:
     if not is_distributed():
         return [value]
     group = _cpu_group()
-    payload = json.dumps(value).encode() or b" "
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size())]
-    dist.all_gather(sizes, torch.tensor([len(payload)]), group=group)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    out = (
-        [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size())]
-        if rank() == dst
-        else None
-    )
+    padded, sizes = _padded(value, group)
+    out = [torch.empty_like(padded) for _ in range(world_size())] if rank() == dst else None
     dist.gather(padded, out, dst=dst, group=group)
-    if out is None:
-        return None
-    return [json.loads(o[: int(n.item())].numpy().tobytes()) for o, n in zip(out, sizes)]
+    return None if out is None else _decoded(out, sizes)
 
 
 def broadcast_json(value: Any, src: int = 0) -> Any:
