@@ -193,7 +193,7 @@ def _write_pieces(
     data = {key: _piece_data(p, local[p.name]) for key, p in by_key.items()}
     files = _pack(list(by_key), data, max_shard_size, rank)
     to_write: dict[str, tuple[int, list[Segment]]] = {}
-    placed: list[tuple[Piece, str, str, TensorSlot, int, torch.Tensor]] = []
+    placed: list[_Placed] = []
     for file, keys in files.items():
         slots = layout([(k, dtype_name(data[k].dtype), tuple(data[k].shape)) for k in keys])
         header = encode_header(slots, SHARD_METADATA, _data_start_mod(slots, data))
@@ -202,7 +202,8 @@ def _write_pieces(
         for key, slot in slots.items():
             raw = flat_bytes(data[key])
             segments.append(Segment(data_start + slot.begin, raw))
-            placed.append((by_key[key], key, file, slot, data_start, raw))
+            rows = block_rows_for(slot.shape, itemsize(slot.dtype))
+            placed.append(_Placed(by_key[key], key, file, slot, data_start, raw, rows))
         size = data_start + sum(s.nbytes for s in slots.values())
         to_write[file] = (size, segments)
 
@@ -210,37 +211,47 @@ def _write_pieces(
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardpoint-hash") as hasher:
         digests = map_batched(
             hasher,
-            lambda x: block_checksums(
-                x[5].numpy(),
-                x[3].shape,
-                itemsize(x[3].dtype),
-                block_rows_for(x[3].shape, itemsize(x[3].dtype)),
+            lambda p: block_checksums(
+                p.raw.numpy(), p.slot.shape, itemsize(p.slot.dtype), p.block_rows
             ),
             placed,
-            lambda x: x[3].nbytes,
+            lambda p: p.slot.nbytes,
         )
         try:
             storage.write_files(to_write, threads=threads)
-        except OSError:
+            sums = digests()
+        except Exception:  # whatever failed, none of this rank's files may stay behind
             _remove_own(storage.root, to_write, remove_directory=False)
             raise
-        chunks = []
-        for (piece, key, file, slot, data_start, _), sums in zip(placed, digests()):
-            chunks.append(
-                {
-                    "name": piece.name,
-                    "dtype": piece.source.dtype,
-                    "global_shape": list(piece.source.global_shape),
-                    "file": file,
-                    "key": key,
-                    "offsets": list(piece.offsets),
-                    "shape": list(piece.shape),
-                    "byte_range": [data_start + slot.begin, data_start + slot.end],
-                    "block_rows": block_rows_for(slot.shape, itemsize(slot.dtype)),
-                    "checksums": sums,
-                }
-            )
+    chunks = [
+        {
+            "name": p.piece.name,
+            "dtype": p.piece.source.dtype,
+            "global_shape": list(p.piece.source.global_shape),
+            "file": p.file,
+            "key": p.key,
+            "offsets": list(p.piece.offsets),
+            "shape": list(p.piece.shape),
+            "byte_range": [p.data_start + p.slot.begin, p.data_start + p.slot.end],
+            "block_rows": p.block_rows,
+            "checksums": digest,
+        }
+        for p, digest in zip(placed, sums)
+    ]
     return to_write, chunks
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """A piece placed in a shard file, and what its index record needs."""
+
+    piece: Piece
+    key: str
+    file: str
+    slot: TensorSlot
+    data_start: int
+    raw: torch.Tensor  # the bytes written
+    block_rows: int
 
 
 def _piece_key(p: Piece) -> str:
