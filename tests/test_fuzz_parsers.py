@@ -25,7 +25,13 @@ def test_parsers_survive_coverage_guided_fuzzing(tmp_path):
     (corpus / "index").write_bytes(b"\x01" + (ckpt / "index.json").read_bytes())
     (corpus / "shard").write_bytes(b"\x00" + next(ckpt.glob("*.safetensors")).read_bytes())
     done = subprocess.run(
-        [sys.executable, str(TARGET), f"-max_total_time={SECONDS}", str(corpus)],
+        [
+            sys.executable,
+            str(TARGET),
+            f"-max_total_time={SECONDS}",
+            f"-artifact_prefix={tmp_path}/",  # a crashing input lands here, not in the repo
+            str(corpus),
+        ],
         capture_output=True,
         text=True,
         timeout=600,

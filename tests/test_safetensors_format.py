@@ -128,6 +128,11 @@ def _parse(raw: bytes):
             "exactly",
         ),
         (_file(b'{"__metadata__":{"k":1}}'), "__metadata__"),
+        # found by the fuzz target: an unhashable dtype used to escape as TypeError
+        (
+            _file(b'{"a":{"dtype":[0,4],"shape":[1],"data_offsets":[0,4]}}', b"\0" * 4),
+            "unknown dtype",
+        ),
         (
             _file(b'{"a":{"dtype":"F32","shape":[true],"data_offsets":[0,4]}}', b"\0" * 4),
             "invalid shape",

@@ -222,7 +222,7 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
             aliases[name] = spec["alias_of"]
             continue
         dtype = spec["dtype"]
-        if dtype not in DTYPES:
+        if type(dtype) is not str or dtype not in DTYPES:
             raise CorruptCheckpointError(f"{where}: entry {name!r} has unknown dtype {dtype!r}")
         shape = _ints(spec["shape"], "shape", name, where)
         chunks = tuple(_parse_chunk(c, name, dtype, shape, files, where) for c in spec["chunks"])

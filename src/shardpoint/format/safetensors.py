@@ -195,7 +195,7 @@ def parse_header(header: bytes, file_size: int, where: str) -> Header:
         if type(entry) is not dict or len(entry) != 3 or not _ENTRY_KEYS.issuperset(entry):
             raise bad(f"entry {name!r} must have exactly dtype, shape and data_offsets")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in DTYPES:
+        if type(dtype) is not str or dtype not in DTYPES:  # a list would not even hash
             raise bad(f"entry {name!r} has unknown dtype {dtype!r}")
         if type(shape) is not list or not _nonneg_ints(shape):
             raise bad(f"entry {name!r} has an invalid shape {shape!r}")
