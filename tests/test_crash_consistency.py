@@ -7,7 +7,12 @@ SIGKILLs itself at call number ``k``: in the middle of writing shards, fsyncing,
 renaming the index or the marker into place, or deleting an old checkpoint. The parent
 then checks the invariants, and the next child continues in the same directory.
 
-SHARDPOINT_KILL_POINTS sets how many kill points to try (default 200; more for a soak).
+The same runs with ``CheckpointManager(async_save=True)``: the kill then lands on the
+background writer, hasher or commit thread while the training thread has already moved
+on and overwritten the live tensors.
+
+SHARDPOINT_KILL_POINTS sets how many kill points to try (default 200 synchronous, half
+as many asynchronous; more for a soak).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 
 from shardpoint import CheckpointManager, load
@@ -35,7 +41,7 @@ def _template() -> dict:
     return {"w": torch.zeros(300, 7), "b": torch.zeros(5), "step": -1}
 
 
-def _child(root: Path, kill_at: int, report: int) -> None:
+def _child(root: Path, kill_at: int, report: int, async_save: bool) -> None:
     count = [0]
     paths: dict[int, str] = {}  # fd -> path, to say which file a pwrite or fsync was for
 
@@ -57,23 +63,29 @@ def _child(root: Path, kill_at: int, report: int) -> None:
 
     for name in CALLS:
         setattr(os, name, counted(name))
-    manager = CheckpointManager(root, every_n_steps=1, keep_last=2, preemption_signals=())
+    manager = CheckpointManager(
+        root, every_n_steps=1, keep_last=2, preemption_signals=(), async_save=async_save
+    )
     state = _template()
     start = manager.restore(state) or 0
     for step in range(start + 1, start + 4):
-        manager.save(step, state_of(step))
-        with open(root.parent / "committed.log", "a") as log:  # after save returned
+        live = state_of(step)
+        manager.save(step, live)
+        live["w"].fill_(float("nan"))  # the next training step, while the save is written
+        live["b"].fill_(-1.0)
+        manager.wait()
+        with open(root.parent / "committed.log", "a") as log:  # after the commit
             log.write(f"{step}\n")
     os._exit(0)
 
 
-def _run_child(root: Path, kill_at: int) -> tuple[bool, str]:
+def _run_child(root: Path, kill_at: int, async_save: bool) -> tuple[bool, str]:
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child never returns
         try:
             os.close(read)
-            _child(root, kill_at, write)
+            _child(root, kill_at, write, async_save)
         finally:
             os._exit(3)
     os.close(write)
@@ -108,14 +120,17 @@ def _check_after_crash(root: Path, log: Path, template) -> list[tuple[int, dict]
     return loaded
 
 
-def test_sigkill_at_any_point_never_loses_a_committed_checkpoint(tmp_path):
+@pytest.mark.parametrize(
+    ("mode", "points"), [("sync", KILL_POINTS), ("async", max(1, KILL_POINTS // 2))]
+)
+def test_sigkill_at_any_point_never_loses_a_committed_checkpoint(tmp_path, mode, points):
     root = tmp_path / "ckpts"
     log = tmp_path / "committed.log"
     phases: dict[str, int] = {}
     kills = 0
-    for i in range(KILL_POINTS):
+    for i in range(points):
         kill_at = 1 + (i * 37) % 97  # spread over restore, the three saves and retention
-        killed, where = _run_child(root, kill_at)
+        killed, where = _run_child(root, kill_at, mode == "async")
         if killed:
             kills += 1
             call, _, target = where.partition(" ")
@@ -133,13 +148,13 @@ def test_sigkill_at_any_point_never_loses_a_committed_checkpoint(tmp_path):
             expected = state_of(step)
             assert torch.equal(state["w"], expected["w"]) and torch.equal(state["b"], expected["b"])
 
-    assert kills >= KILL_POINTS // 2, kills
+    assert kills >= points // 2, kills
     covered = {key.split(":")[1] for key in phases}
     assert {"shard", "index", "marker", "directory"} <= covered, phases
     assert any(k.startswith("unlink:") for k in phases), phases  # retention and cleanup
     assert {"pwrite:shard", "fsync:shard", "replace:index", "replace:marker"} <= set(phases), phases
     print(
-        f"\n{kills} kills in {KILL_POINTS} runs; by call and file: {dict(sorted(phases.items()))}"
+        f"\n{mode}: {kills} kills in {points} runs; by call and file: {dict(sorted(phases.items()))}"
     )
 
 
@@ -163,7 +178,9 @@ def _two_rank_template() -> dict:
     }
 
 
-def _rank_child(rank: int, world: int, root: str, kill_rank: int, kill_at: int) -> None:
+def _rank_child(
+    rank: int, world: int, root: str, kill_rank: int, kill_at: int, async_save: bool
+) -> None:
     if rank == kill_rank:
         count = [0]
         for name in CALLS:
@@ -176,17 +193,25 @@ def _rank_child(rank: int, world: int, root: str, kill_rank: int, kill_at: int) 
                 return _real(*args, **kwargs)
 
             setattr(os, name, call)
-    manager = CheckpointManager(root, every_n_steps=1, keep_last=2, preemption_signals=())
+    manager = CheckpointManager(
+        root, every_n_steps=1, keep_last=2, preemption_signals=(), async_save=async_save
+    )
     template = {"shared": torch.zeros(300, 7), "ranks": {rank: torch.zeros(4)}, "step": -1}
     start = manager.restore(template) or 0
     for step in range(start + 1, start + 3):
-        manager.save(step, _rank_state(step, rank))
+        live = _rank_state(step, rank)
+        manager.save(step, live)
+        live["shared"].fill_(float("nan"))  # training goes on while the save is written
+        manager.wait()
         if rank == 0:
             with open(Path(root).parent / "committed.log", "a") as log:
                 log.write(f"{step}\n")
 
 
-def test_sigkill_of_one_rank_during_a_two_rank_save_never_exposes_a_partial_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_of_one_rank_during_a_two_rank_save_never_exposes_a_partial_checkpoint(
+    tmp_path, mode
+):
     from distributed import run_ranks
 
     root = tmp_path / "ckpts"
@@ -195,7 +220,7 @@ def test_sigkill_of_one_rank_during_a_two_rank_save_never_exposes_a_partial_chec
     for i in range(TWO_RANK_KILL_POINTS):
         kill_rank, kill_at = i % 2, 1 + (i * 7) % 41
         try:
-            run_ranks(2, _rank_child, str(root), kill_rank, kill_at)
+            run_ranks(2, _rank_child, str(root), kill_rank, kill_at, mode == "async")
         except Exception:  # the killed rank, and the peer whose collective broke
             kills += 1
         for step, state in _check_after_crash(root, log, _two_rank_template):

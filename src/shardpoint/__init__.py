@@ -7,6 +7,7 @@
 
 __version__ = "0.1.0"
 
+from .background_save import AsyncSave, AsyncSaver, async_save  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
     CheckpointExistsError,
@@ -32,6 +33,8 @@ def open(path: str) -> CheckpointReader:  # noqa: A001 - the contract name is `s
 
 
 __all__ = [
+    "AsyncSave",
+    "AsyncSaver",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointExistsError",
@@ -50,6 +53,7 @@ __all__ = [
     "UnsupportedValueError",
     "VerifyReport",
     "__version__",
+    "async_save",
     "load",
     "open",
     "save",

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 _CPU_GROUP: Any = None
+_BACKGROUND_GROUP: Any = None
 
 
 def is_distributed() -> bool:
@@ -38,6 +39,16 @@ def _cpu_group() -> Any:
     return _CPU_GROUP
 
 
+def background_group() -> Any:
+    """A gloo group of its own for background saves, made once (a collective: every rank
+    calls this at the same point). Collectives of a save running on a background thread
+    must not interleave with the training loop's collectives on the default group."""
+    global _BACKGROUND_GROUP
+    if _BACKGROUND_GROUP is None and is_distributed():
+        _BACKGROUND_GROUP = dist.new_group(backend="gloo")
+    return _BACKGROUND_GROUP
+
+
 def _padded(value: Any, group: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``value`` as JSON bytes padded to the longest payload of any rank, and every
     rank's true length (gathered first, so all buffers have one size)."""
@@ -53,39 +64,39 @@ def _decoded(out: list[torch.Tensor], sizes: list[torch.Tensor]) -> list[Any]:
     return [json.loads(o[: int(n.item())].numpy().tobytes()) for o, n in zip(out, sizes)]
 
 
-def all_gather_json(value: Any) -> list[Any]:
+def all_gather_json(value: Any, group: Any = None) -> list[Any]:
     """Every rank's ``value`` (JSON-serialisable), in rank order."""
     if not is_distributed():
         return [value]
-    group = _cpu_group()
+    group = _cpu_group() if group is None else group
     padded, sizes = _padded(value, group)
     out = [torch.empty_like(padded) for _ in range(world_size())]
     dist.all_gather(out, padded, group=group)
     return _decoded(out, sizes)
 
 
-def gather_json(value: Any, dst: int = 0) -> list[Any] | None:
+def gather_json(value: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
     """Every rank's ``value`` on rank ``dst`` (in rank order); None on the other ranks."""
     if not is_distributed():
         return [value]
-    group = _cpu_group()
+    group = _cpu_group() if group is None else group
     padded, sizes = _padded(value, group)
     out = [torch.empty_like(padded) for _ in range(world_size())] if rank() == dst else None
     dist.gather(padded, out, dst=dst, group=group)
     return None if out is None else _decoded(out, sizes)
 
 
-def broadcast_json(value: Any, src: int = 0) -> Any:
+def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
     """``value`` from rank ``src`` on every rank."""
     if not is_distributed():
         return value
-    return all_gather_json(value if rank() == src else None)[src]
+    return all_gather_json(value if rank() == src else None, group)[src]
 
 
-def max_of(values: list[int]) -> list[int]:
+def max_of(values: list[int], group: Any = None) -> list[int]:
     """Elementwise maximum of ``values`` over all ranks (one small all-reduce)."""
     if not is_distributed():
         return values
     t = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group() if group is None else group)
     return [int(v) for v in t.tolist()]

@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from .parallel import map_batched
 from .plan import Holding, Piece, plan_writes
 from .storage.local import ZERO_COPY_MIN_BYTES, LocalDirectory, Segment, fsync_directory
 from .tensor_kinds import local_part, may_be_replicated
-from .tensor_memory import flat_bytes, host_contiguous
+from .tensor_memory import flat_bytes, host_contiguous, plain
 from .tree import flatten, merge_trees
 
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
@@ -54,7 +54,8 @@ class SaveInfo:
     files: int
     tensors: int
     bytes_written: int
-    seconds: float
+    seconds: float  # from the call until the checkpoint was committed
+    blocked_seconds: float | None = None  # how long the caller waited (async: the staging)
 
 
 def shard_file_name(rank: int, k: int) -> str:
@@ -87,25 +88,64 @@ def save(
     1
     """
     start = time.perf_counter()
+    plan = plan_save(state, LocalDirectory(path))
+    result = WriteResult()
+    try:
+        shards = lay_out(plan, max_shard_size, zero_copy=True)
+        result = _write_shards(plan.storage, shards, threads)
+    except Exception as exc:  # any failure must still reach the commit's gather
+        result.error = f"rank {plan.rank}: {exc}"
+    return commit(plan, result, metadata, start=start)
+
+
+@dataclass
+class SavePlan:
+    """What this rank writes for one save, agreed with every other rank."""
+
+    storage: LocalDirectory
+    rank: int
+    tree: Any  # the merged non-tensor tree of all ranks
+    gathered: list[dict[str, Any]]  # every rank's structure, for the index
+    pieces: list[Piece]  # what this rank writes
+    local: dict[str, torch.Tensor]  # name -> this rank's contiguous bytes of the entry
+    tensors: int
+    group: Any = None  # the process group of the save's collectives (None: default)
+
+
+@dataclass
+class WriteResult:
+    """What one rank wrote, sent to rank 0 for the index (JSON-able fields only)."""
+
+    files: dict[str, int] = field(default_factory=dict)  # name -> size
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+
+def plan_save(
+    state: Any, storage: LocalDirectory, *, group: Any = None, to_host: bool = True
+) -> SavePlan:
+    """Flatten ``state``, prepare the directory (rank 0) and agree on who writes what.
+
+    The one gather of structure per save; it also orders every write after rank 0's
+    preparation of the directory. ``to_host=False`` keeps device tensors where they
+    are (the async path copies them into its staging pool itself).
+    """
     me = dist.rank()
-    # A rank that fails before a collective still joins it, with its error, so that no
-    # other rank waits forever; then every rank raises.
+    # A rank that fails before the collective still joins it, with its error, so that
+    # no other rank waits forever; then every rank raises.
     own_error: CheckpointError | None = None
     tree_here: Any = None
     holdings: list[Holding] = []
     aliases: dict[str, str] = {}
     local: dict[str, torch.Tensor] = {}
-    storage = LocalDirectory(path)
     try:
         flat = flatten(state)
         tree_here = flat.tree
-        holdings, aliases, local = _holdings(flat.tensors)
+        holdings, aliases, local = _holdings(flat.tensors, to_host)
         if me == 0:
             _prepare_directory(storage.root)
     except CheckpointError as exc:
         own_error = exc
-    # The one gather of structure per save; it also orders every write after rank 0's
-    # preparation of the directory.
     sole = [h for h in holdings if not h.replicated]
     gathered = dist.all_gather_json(
         {
@@ -114,39 +154,50 @@ def save(
             "tree": tree_here,
             "aliases": aliases,
             "error": f"rank {me}: {own_error}" if own_error else None,
-        }
+        },
+        group,
     )
     if own_error is not None:
         raise own_error
     failed = [g["error"] for g in gathered if g["error"]]
     if failed:
         raise CheckpointError(f"{storage.root}: another rank could not save: {failed[0]}")
-    tree = merge_trees([g["tree"] for g in gathered])
     replicated = [[Holding.from_json(h) for h in g["replicated"]] for g in gathered]
     plan = plan_writes([g["sole_bytes"] for g in gathered], replicated)
     mine = [Piece(h.name, h.offsets, h.shape, me, h) for h in sole]
     mine += [p for p in plan if p.writer == me]
+    return SavePlan(
+        storage,
+        me,
+        merge_trees([g["tree"] for g in gathered]),
+        gathered,
+        mine,
+        local,
+        len(local) + len(aliases),
+        group,
+    )
 
-    result: dict[str, Any] = {"files": {}, "chunks": [], "error": None}
-    to_write: dict[str, tuple[int, list[Segment]]] = {}
-    try:
-        to_write, result["chunks"] = _write_pieces(
-            storage, mine, local, me, max_shard_size, threads
-        )
-        result["files"] = {name: size for name, (size, _) in to_write.items()}
-    except Exception as exc:  # any failure must still reach the gather below
-        result["error"] = f"rank {me}: {exc}"
-    # Doubles as the barrier before commit: rank 0 hears from every rank once its files
-    # are durable (or failed).
-    results = dist.gather_json(result)
 
+def commit(
+    plan: SavePlan, result: WriteResult, metadata: dict[str, Any] | None, *, start: float
+) -> SaveInfo:
+    """The commit protocol: every rank reports, rank 0 writes the index then the marker,
+    every rank learns the outcome. Raises on every rank if any rank failed.
+
+    The gather doubles as the barrier before commit: rank 0 hears from every rank once
+    its files are durable (or failed).
+    """
+    storage, me = plan.storage, plan.rank
+    results = dist.gather_json(
+        {"files": result.files, "chunks": result.chunks, "error": result.error}, 0, plan.group
+    )
     outcome = None
     if results is not None:  # rank 0
         errors = [r["error"] for r in results if r["error"]]
         outcome = errors[0] if errors else None
         if not errors:
             try:
-                index_bytes = _index(tree, gathered, results, metadata).to_json()
+                index_bytes = _index(plan.tree, plan.gathered, results, metadata).to_json()
                 storage.write_small_durably(INDEX_NAME, index_bytes)
                 fsync_directory(storage.root)
                 storage.write_small_durably(MARKER_NAME, marker_json(index_bytes))
@@ -156,14 +207,14 @@ def save(
         written = sum(sum(r["files"].values()) for r in results)
         files = sum(len(r["files"]) for r in results)
     else:
-        written, files = sum(result["files"].values()), len(result["files"])
-    outcome = dist.broadcast_json(outcome)
+        written, files = sum(result.files.values()), len(result.files)
+    outcome = dist.broadcast_json(outcome, 0, plan.group)
     if outcome:
         # Only rank 0 may remove the shared directory: another rank's files may still be
         # in flight when a fast-failing rank gets here.
-        _remove_own(
+        remove_own(
             storage.root,
-            [*to_write, *((INDEX_NAME, MARKER_NAME) if me == 0 else ())],
+            [*result.files, *((INDEX_NAME, MARKER_NAME) if me == 0 else ())],
             remove_directory=me == 0,
         )
         raise CheckpointError(
@@ -174,40 +225,82 @@ def save(
     return SaveInfo(
         path=storage.root,
         files=files,
-        tensors=len(local) + len(aliases),
+        tensors=plan.tensors,
         bytes_written=written,
         seconds=time.perf_counter() - start,
+        blocked_seconds=time.perf_counter() - start,
     )
 
 
-def _write_pieces(
-    storage: LocalDirectory,
-    pieces: list[Piece],
-    local: dict[str, torch.Tensor],
-    rank: int,
-    max_shard_size: int,
-    threads: int,
-) -> tuple[dict[str, tuple[int, list[Segment]]], list[dict[str, Any]]]:
-    """Write this rank's pieces into its own files; returns the files and chunk records."""
-    by_key = {_piece_key(p): p for p in pieces}
-    data = {key: _piece_data(p, local[p.name]) for key, p in by_key.items()}
-    files = _pack(list(by_key), data, max_shard_size, rank)
-    to_write: dict[str, tuple[int, list[Segment]]] = {}
-    placed: list[_Placed] = []
-    for file, keys in files.items():
-        slots = layout([(k, dtype_name(data[k].dtype), tuple(data[k].shape)) for k in keys])
-        header = encode_header(slots, SHARD_METADATA, _data_start_mod(slots, data))
-        data_start = len(header)
-        segments = [Segment(0, torch.frombuffer(bytearray(header), dtype=torch.uint8))]
-        for key, slot in slots.items():
-            raw = flat_bytes(data[key])
-            segments.append(Segment(data_start + slot.begin, raw))
-            rows = block_rows_for(slot.shape, itemsize(slot.dtype))
-            placed.append(_Placed(by_key[key], key, file, slot, data_start, raw, rows))
-        size = data_start + sum(s.nbytes for s in slots.values())
-        to_write[file] = (size, segments)
+@dataclass
+class ShardFile:
+    """One shard file of this rank: its header and where each piece's bytes go."""
 
-    # Checksums run beside the writes, on their own thread, so they cost no wall time.
+    name: str
+    size: int
+    header: torch.Tensor  # uint8, padded; the file's first bytes
+    placed: list[_Placed]
+
+
+def lay_out(plan: SavePlan, max_shard_size: int, *, zero_copy: bool) -> list[ShardFile]:
+    """Pack this rank's pieces into files and place every piece's bytes.
+
+    ``zero_copy`` pads headers so large tensors land at their memory's page offset
+    (direct I/O straight from tensor memory, see ``_data_start_mod``).
+    """
+    by_key = {_piece_key(p): p for p in plan.pieces}
+    data = {key: _piece_data(p, plan.local[p.name]) for key, p in by_key.items()}
+    shards = []
+    for file, keys in _pack(list(by_key), data, max_shard_size, plan.rank).items():
+        slots = layout([(k, dtype_name(data[k].dtype), tuple(data[k].shape)) for k in keys])
+        mod = _data_start_mod(slots, data) if zero_copy else None
+        header = encode_header(slots, SHARD_METADATA, mod)
+        data_start = len(header)
+        placed = [
+            _Placed(
+                by_key[key],
+                key,
+                file,
+                slot,
+                data_start,
+                flat_bytes(data[key]),
+                block_rows_for(slot.shape, itemsize(slot.dtype)),
+            )
+            for key, slot in slots.items()
+        ]
+        size = data_start + sum(s.nbytes for s in slots.values())
+        header_bytes = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        shards.append(ShardFile(file, size, header_bytes, placed))
+    return shards
+
+
+def chunk_records(placed: list[_Placed], checksums: list[list[str]]) -> list[dict[str, Any]]:
+    """The index records of written pieces (JSON, sent to rank 0)."""
+    return [
+        {
+            "name": p.piece.name,
+            "dtype": p.piece.source.dtype,
+            "global_shape": list(p.piece.source.global_shape),
+            "file": p.file,
+            "key": p.key,
+            "offsets": list(p.piece.offsets),
+            "shape": list(p.piece.shape),
+            "byte_range": [p.begin, p.end],
+            "block_rows": p.block_rows,
+            "checksums": digest,
+        }
+        for p, digest in zip(placed, checksums)
+    ]
+
+
+def _write_shards(storage: LocalDirectory, shards: list[ShardFile], threads: int) -> WriteResult:
+    """Write this rank's files straight from tensor memory; checksums beside the writes."""
+    to_write: dict[str, tuple[int, list[Segment]]] = {
+        f.name: (f.size, [Segment(0, f.header), *(Segment(p.begin, p.raw) for p in f.placed)])
+        for f in shards
+    }
+    placed = [p for f in shards for p in f.placed]
+    # Checksums run on their own thread, so they cost no wall time.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardpoint-hash") as hasher:
         digests = map_batched(
             hasher,
@@ -221,24 +314,9 @@ def _write_pieces(
             storage.write_files(to_write, threads=threads)
             sums = digests()
         except Exception:  # whatever failed, none of this rank's files may stay behind
-            _remove_own(storage.root, to_write, remove_directory=False)
+            remove_own(storage.root, to_write, remove_directory=False)
             raise
-    chunks = [
-        {
-            "name": p.piece.name,
-            "dtype": p.piece.source.dtype,
-            "global_shape": list(p.piece.source.global_shape),
-            "file": p.file,
-            "key": p.key,
-            "offsets": list(p.piece.offsets),
-            "shape": list(p.piece.shape),
-            "byte_range": [p.data_start + p.slot.begin, p.data_start + p.slot.end],
-            "block_rows": p.block_rows,
-            "checksums": digest,
-        }
-        for p, digest in zip(placed, sums)
-    ]
-    return to_write, chunks
+    return WriteResult({f.name: f.size for f in shards}, chunk_records(placed, sums))
 
 
 @dataclass(frozen=True)
@@ -252,6 +330,14 @@ class _Placed:
     data_start: int
     raw: torch.Tensor  # the bytes written
     block_rows: int
+
+    @property
+    def begin(self) -> int:
+        return self.data_start + self.slot.begin
+
+    @property
+    def end(self) -> int:
+        return self.data_start + self.slot.end
 
 
 def _piece_key(p: Piece) -> str:
@@ -329,12 +415,12 @@ def _data_start_mod(slots: dict[str, TensorSlot], tensors: dict[str, torch.Tenso
 
 
 def _holdings(
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor], to_host: bool
 ) -> tuple[list[Holding], dict[str, str], dict[str, torch.Tensor]]:
     """What this rank holds of each tensor entry, tied tensors stored once.
 
     Returns the holdings, alias name -> stored name (views of the same memory), and
-    name -> the local bytes as a contiguous host tensor.
+    name -> the local bytes as a contiguous (host, with ``to_host``) tensor.
     """
     world = dist.world_size()
     seen: dict[tuple[Any, ...], str] = {}
@@ -362,7 +448,7 @@ def _holdings(
             seen[identity] = name
         replicated = world > 1 and may_be_replicated(t)
         holdings.append(Holding(name, dtype, global_shape, offsets, tuple(part.shape), replicated))
-        local[name] = host_contiguous(part)
+        local[name] = host_contiguous(part) if to_host else plain(part).contiguous()
     return holdings, aliases, local
 
 
@@ -408,14 +494,14 @@ def _prepare_directory(root: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)
         fsync_directory(root.parent)
     except OSError as exc:
-        _remove_own(root, [], remove_directory=True)  # rank 0, before any rank writes
+        remove_own(root, [], remove_directory=True)  # rank 0, before any rank writes
         raise CheckpointError(
             f"{root}: cannot prepare the checkpoint directory ({exc}); nothing was written "
             "and earlier checkpoints are untouched. Check free space and permissions."
         ) from exc
 
 
-def _remove_own(root: Path, names: Iterable[str], *, remove_directory: bool) -> None:
+def remove_own(root: Path, names: Iterable[str], *, remove_directory: bool) -> None:
     """Remove what this rank wrote for a failed save: it leaves no trace to mistake.
 
     An empty directory left behind (another rank still cleaning up) has no marker, is

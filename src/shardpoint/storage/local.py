@@ -135,10 +135,17 @@ def _open(path: Path, flags: int, direct: bool) -> tuple[int, bool]:
     return os.open(path, flags), False
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     pos = 0
     while pos < len(data):
         pos += os.pwrite(fd, data[pos : pos + _MAX_IO], offset + pos)
+
+
+def open_for_write(path: Path) -> tuple[int, bool]:
+    """Create or truncate ``path`` for writing, with O_DIRECT where the file system has
+    it; returns the descriptor and whether it is direct (writes then need whole pages
+    from page-aligned memory)."""
+    return _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, True)
 
 
 def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
@@ -209,7 +216,7 @@ class LocalDirectory:
         tmp = final.with_name(final.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _pwrite_all(fd, memoryview(data), 0)
+            pwrite_all(fd, memoryview(data), 0)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -394,7 +401,7 @@ def _overlapping(segments: list[Segment], lo: int, hi: int) -> Iterable[Segment]
 
 
 def _zero_copy_write(fd: int, s: Segment, lo: int, hi: int) -> Callable[[], None]:
-    return lambda: _pwrite_all(fd, memoryview(s.array)[lo - s.offset : hi - s.offset], lo)
+    return lambda: pwrite_all(fd, memoryview(s.array)[lo - s.offset : hi - s.offset], lo)
 
 
 def _bounce_write(
@@ -407,13 +414,13 @@ def _bounce_write(
                 _copy(buf, s, max(s.offset, lo), min(s.end, end))
             if hi > end:  # the tail page past the end of the file; truncated away later
                 buf.array[end - lo : hi - lo] = 0
-            _pwrite_all(fd, memoryview(buf.array)[: hi - lo], lo)
+            pwrite_all(fd, memoryview(buf.array)[: hi - lo], lo)
 
     return job
 
 
 def _buffered_write(fd: int, s: Segment) -> Callable[[], None]:
-    return lambda: _pwrite_all(fd, memoryview(s.array), s.offset) if s.data.numel() else None
+    return lambda: pwrite_all(fd, memoryview(s.array), s.offset) if s.data.numel() else None
 
 
 def _truncate_and_sync(fd: int, size: int) -> Callable[[], None]:

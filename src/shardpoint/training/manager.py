@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import dist
+from ..background_save import AsyncSave, AsyncSaver
 from ..checkpoint_dir import delete_checkpoint, foreign_files
 from ..errors import (
     CheckpointError,
@@ -69,6 +70,12 @@ class CheckpointManager:
     checksum while loading; ``"fast"`` checks marker, index, file sizes and headers.
     ``preemption_signals`` (default SIGTERM) make the next ``maybe_save`` save at once
     and then set ``should_stop``.
+
+    ``async_save=True`` returns from a save once the state is staged and writes it in
+    the background (``AsyncSaver``; ``staging_pool_bytes`` and ``if_busy`` are its
+    options). Retention and the event log entry follow the commit. A preemption save
+    first finishes the one in flight, then saves synchronously. ``close()`` waits for
+    the save in flight and raises its error.
     """
 
     def __init__(
@@ -86,6 +93,9 @@ class CheckpointManager:
         preemption_signals: Iterable[int] = (signal.SIGTERM,),
         max_shard_size: int = DEFAULT_MAX_SHARD_BYTES,
         threads: int = DEFAULT_THREADS,
+        async_save: bool = False,
+        staging_pool_bytes: int | None = None,
+        if_busy: str = "wait",
     ) -> None:
         if verify not in ("full", "fast"):
             raise ValueError("verify must be 'full' or 'fast'")
@@ -101,6 +111,17 @@ class CheckpointManager:
         self.max_shard_size = max_shard_size
         self.threads = threads
         self.events = EventLog(self.directory / "events.jsonl")
+        self._saver = (
+            AsyncSaver(
+                pool_bytes=staging_pool_bytes,
+                threads=threads,
+                max_shard_size=max_shard_size,
+                if_busy=if_busy,
+            )
+            if async_save
+            else None
+        )
+        self._saving_to: Path | None = None  # the async save in flight
         self._last_save = time.monotonic()
         self._signal: int | None = None
         self._stop = False
@@ -201,42 +222,77 @@ class CheckpointManager:
 
     def save(
         self, step: int, state: Any, *, force: bool = False, metrics: dict[str, float] | None = None
-    ) -> SaveInfo | None:
+    ) -> SaveInfo | AsyncSave | None:
         """Save ``state`` as the checkpoint of ``step`` if the interval rules (or a
         preemption signal) say so, or always with ``force``; then apply retention.
 
-        Returns None when nothing was saved: not due, or ``step`` already committed
-        (e.g. a preemption right after a periodic save).
+        Returns what was saved (an ``AsyncSave`` handle with ``async_save=True``), or None
+        when nothing was: not due, ``step`` already committed (e.g. a preemption right
+        after a periodic save), or skipped because a background save was busy.
         """
         if not force and not self.should_save(step):
             return None
         path = self.path_for(step)
+        preempting = self._signal is not None
+        if self._saver is not None and (preempting or self._saving_to == path):
+            self._wait_for_background()  # the final save must not race the one in flight
         if (path / MARKER_NAME).exists():
             self._after_save()
             return None
-        info = save(
-            state,
-            path,
-            max_shard_size=self.max_shard_size,
-            threads=self.threads,
-            metadata={"step": step, "metrics": dict(metrics or {})},
-        )
+        metadata = {"step": step, "metrics": dict(metrics or {})}
+        reason = "preemption" if preempting else "interval"
+        if self._saver is None or preempting:
+            info = save(
+                state,
+                path,
+                max_shard_size=self.max_shard_size,
+                threads=self.threads,
+                metadata=metadata,
+            )
+            self._committed(step, info, metrics, reason)
+            self._after_save()
+            return info
+
+        def on_done(info: SaveInfo | None, error: BaseException | None) -> None:
+            if info is not None:
+                self._committed(step, info, metrics, reason)
+            else:
+                self._log("save_failed", step=step, path=str(path), error=str(error))
+
+        handle = self._saver.save(state, path, metadata=metadata, on_done=on_done)
+        if handle is not None:
+            self._saving_to = path
+            self._after_save()
+        return handle
+
+    def _committed(
+        self, step: int, info: SaveInfo, metrics: dict[str, float] | None, reason: str
+    ) -> None:
+        """Log a committed save and apply retention (on the thread that committed it)."""
         self._log(
             "save",
             step=step,
-            path=str(path),
+            path=str(info.path),
             bytes=info.bytes_written,
             files=info.files,
             seconds=round(info.seconds, 4),
-            blocked_seconds=round(info.seconds, 4),
+            blocked_seconds=round(info.blocked_seconds or info.seconds, 4),
             gb_per_s=round(info.bytes_written / max(info.seconds, 1e-9) / 1e9, 3),
             metrics=dict(metrics or {}),
-            reason="preemption" if self._signal is not None else "interval",
+            reason=reason,
         )
         if dist.rank() == 0:
             self._apply_retention()
-        self._after_save()
-        return info
+
+    def _wait_for_background(self) -> None:
+        """Finish the background save in flight; raises its error."""
+        if self._saver is not None:
+            self._saving_to = None
+            self._saver.wait()
+
+    def wait(self) -> None:
+        """Block until the background save in flight (if any) is committed."""
+        self._wait_for_background()
 
     def _after_save(self) -> None:
         self._last_save = time.monotonic()
@@ -294,12 +350,16 @@ class CheckpointManager:
         return 128 + self._signal if self._signal is not None else 0
 
     def close(self) -> None:
-        """Restore the signal handlers that were installed before this manager."""
-        for sig, handler in self._previous_handlers.items():
-            signal.signal(sig, handler)
-        self._previous_handlers.clear()
-        if self._signal is not None:
-            self._log("preempted", signal=self._signal, saved=self._stop)
+        """Finish the background save in flight (raising its error) and restore the
+        signal handlers that were installed before this manager."""
+        try:
+            self._wait_for_background()
+        finally:
+            for sig, handler in self._previous_handlers.items():
+                signal.signal(sig, handler)
+            self._previous_handlers.clear()
+            if self._signal is not None:
+                self._log("preempted", signal=self._signal, saved=self._stop)
 
     def __enter__(self) -> CheckpointManager:
         return self

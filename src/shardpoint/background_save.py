@@ -1,0 +1,393 @@
+"""Asynchronous saves: stage on the training thread, persist in the background.
+
+``AsyncSaver.save`` does on the caller's thread only what a consistent snapshot
+needs: flatten the state, agree on the plan with the other ranks (one small gather),
+and copy the bytes of every file this rank writes into staging-pool slots. When it
+returns, the live tensors may change; what is written is what they held at the call.
+Writer threads write slots as they are staged, a hasher thread checksums them in
+file order, and a commit thread runs the same commit protocol as ``save`` (every
+rank durable, then index, then marker) on a process group of its own.
+
+At most one save is in flight: a new save first waits for the previous one (or,
+with ``if_busy="skip"``, every rank skips while any rank is still busy). A failed
+background save raises on ``wait()``, on the next save, or on ``close()``, once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import xxhash
+
+from . import dist
+from .format.index import checksum
+from .format.safetensors import itemsize
+from .gc_pause import gc_paused
+from .saving import (
+    DEFAULT_MAX_SHARD_BYTES,
+    DEFAULT_THREADS,
+    SaveInfo,
+    SavePlan,
+    ShardFile,
+    WriteResult,
+    chunk_records,
+    commit,
+    lay_out,
+    plan_save,
+    remove_own,
+)
+from .staging import SLOT_BYTES, Slot, StagingPool
+from .storage.local import ALIGN, LocalDirectory, open_for_write, pwrite_all
+
+_SMALL_COPY = 65536  # below this numpy copies faster than torch's dispatch
+
+
+class AsyncSave:
+    """Handle of one background save (like a ``concurrent.futures.Future``)."""
+
+    def __init__(self, path: os.PathLike[str] | str, stall_seconds: float) -> None:
+        self.path = path
+        self.stall_seconds = stall_seconds  # how long the caller was blocked
+        self._done = threading.Event()
+        self._info: SaveInfo | None = None
+        self._error: BaseException | None = None
+        self._observed = False
+
+    def _finish(self, info: SaveInfo | None, error: BaseException | None) -> None:
+        self._info, self._error = info, error
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The save's error (waits for it to finish), or None if it committed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"background save to {self.path} still running")
+        self._observed = True
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> SaveInfo:
+        """Wait until the checkpoint is committed; raises the save's error if it failed."""
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+        assert self._info is not None
+        return self._info
+
+
+class AsyncSaver:
+    """Background saves with one reusable staging pool; at most one save in flight.
+
+    ``pool_bytes`` bounds the staging memory (default: grows to the largest save, so
+    ``save`` never waits for the disk). ``if_busy`` is ``"wait"`` (a new save waits for
+    the previous one) or ``"skip"`` (a new save is skipped, on every rank, while the
+    previous one is still running).
+    """
+
+    def __init__(
+        self,
+        *,
+        pool_bytes: int | None = None,
+        threads: int = DEFAULT_THREADS,
+        max_shard_size: int = DEFAULT_MAX_SHARD_BYTES,
+        if_busy: str = "wait",
+    ) -> None:
+        if if_busy not in ("wait", "skip"):
+            raise ValueError("if_busy must be 'wait' or 'skip'")
+        self.pool = StagingPool(pool_bytes)
+        self.threads = threads
+        self.max_shard_size = max_shard_size
+        self.if_busy = if_busy
+        self._in_flight: AsyncSave | None = None
+        self._thread: threading.Thread | None = None
+
+    @gc_paused()
+    def save(
+        self,
+        state: Any,
+        path: str | os.PathLike[str],
+        *,
+        metadata: dict[str, Any] | None = None,
+        on_done: Callable[[SaveInfo | None, BaseException | None], None] | None = None,
+    ) -> AsyncSave | None:
+        """Snapshot ``state`` and write it to ``path`` in the background.
+
+        Returns the handle, or None when ``if_busy="skip"`` skipped it. ``on_done(info,
+        error)`` runs on the background thread once the save committed or failed.
+        Raises the error of an earlier save nobody has seen yet.
+        """
+        if self.if_busy == "skip":
+            busy = self._in_flight is not None and not self._in_flight.done()
+            if dist.max_of([int(busy)])[0]:
+                return None
+        self.wait()
+        start = time.perf_counter()
+        plan = plan_save(state, LocalDirectory(path), group=dist.background_group(), to_host=False)
+        persist = _Persist(plan, self.pool, self.threads)
+        try:
+            shards = lay_out(plan, self.max_shard_size, zero_copy=False)
+            self.pool.reserve(sum(-(-f.size // SLOT_BYTES) for f in shards))
+            persist.open(shards)
+            _stage(shards, self.pool, persist.put)
+        except Exception as exc:  # the commit still runs, so that no rank waits forever
+            persist.fail(f"rank {plan.rank}: {exc}")
+        handle = AsyncSave(plan.storage.root, time.perf_counter() - start)
+        self._in_flight = handle
+        self._thread = threading.Thread(
+            target=_finish_in_background,
+            args=(persist, plan, metadata, start, handle, on_done),
+            name="shardpoint-commit",
+        )
+        self._thread.start()
+        return handle
+
+    def wait(self) -> SaveInfo | None:
+        """Wait for the save in flight; raises its error if nobody has seen it yet."""
+        handle, self._in_flight = self._in_flight, None
+        if handle is None:
+            return None
+        if self._thread is not None:
+            self._thread.join()
+        seen = handle._observed
+        error = handle.exception()
+        if error is not None:
+            if seen:
+                return None
+            raise error
+        return handle._info
+
+    def close(self) -> None:
+        """Finish the save in flight (raising its error) and keep nothing running."""
+        self.wait()
+
+
+_DEFAULT_SAVER: AsyncSaver | None = None
+
+
+def async_save(
+    state: Any,
+    path: str | os.PathLike[str],
+    *,
+    metadata: dict[str, Any] | None = None,
+) -> AsyncSave:
+    """Save ``state`` to ``path`` in the background; returns once it is staged.
+
+    Changing the live tensors after this returns does not change what is written.
+    Calls share one staging pool (kept for the process) and run one at a time: a
+    second call waits for the first. For a bounded pool, skipping while busy, or the
+    manager's periodic saves, use ``AsyncSaver`` / ``CheckpointManager(async_save=True)``.
+
+    >>> handle = shardpoint.async_save(state, "/ckpt/step-100")   # doctest: +SKIP
+    >>> train_step()                                              # doctest: +SKIP
+    >>> handle.wait()                                             # doctest: +SKIP
+    """
+    global _DEFAULT_SAVER
+    if _DEFAULT_SAVER is None:
+        _DEFAULT_SAVER = AsyncSaver()
+    handle = _DEFAULT_SAVER.save(state, path, metadata=metadata)
+    assert handle is not None  # the default saver waits rather than skips
+    return handle
+
+
+def _finish_in_background(
+    persist: _Persist,
+    plan: SavePlan,
+    metadata: dict[str, Any] | None,
+    start: float,
+    handle: AsyncSave,
+    on_done: Callable[[SaveInfo | None, BaseException | None], None] | None,
+) -> None:
+    info: SaveInfo | None = None
+    error: BaseException | None = None
+    try:
+        info = commit(plan, persist.finish(), metadata, start=start)
+        info = replace(info, blocked_seconds=handle.stall_seconds)
+    except BaseException as exc:  # delivered through the handle, never lost
+        error = exc
+    if on_done is not None:
+        try:
+            on_done(info, error)
+        except BaseException as exc:
+            error = error or exc
+    handle._finish(info, error)
+
+
+# ---- staging: the only part that runs on the training thread --------------------------
+
+
+def _stage(shards: list[ShardFile], pool: StagingPool, put: Callable[..., None]) -> None:
+    """Copy every file's bytes, in file order, into pool slots and hand each slot on."""
+    for f in shards:
+        sources = [(0, f.header), *((p.begin, p.raw) for p in f.placed)]
+        cursor = 0
+        for lo in range(0, f.size, SLOT_BYTES):
+            hi = min(lo + SLOT_BYTES, f.size)
+            slot = pool.acquire()
+            try:
+                on_device = _fill(slot, sources, cursor, lo, hi)
+            except BaseException:
+                pool.release(slot)
+                raise
+            if on_device:
+                torch.cuda.synchronize()  # the non-blocking copies must land first
+            put(slot, f, lo, hi)
+            while cursor < len(sources) and sources[cursor][0] + sources[cursor][1].numel() <= hi:
+                cursor += 1
+
+
+def _fill(
+    slot: Slot, sources: list[tuple[int, torch.Tensor]], cursor: int, lo: int, hi: int
+) -> bool:
+    """Copy file bytes [lo, hi) from the sources (sorted by offset) into ``slot``; zero the
+    page padding past ``hi``. Returns whether any copy came from a device."""
+    on_device = False
+    while cursor < len(sources) and sources[cursor][0] < hi:
+        begin, src = sources[cursor]
+        a, b = max(begin, lo), min(begin + src.numel(), hi)
+        if b > a:
+            on_device |= src.device.type != "cpu"
+            _copy(slot.data[a - lo : b - lo], src[a - begin : b - begin])
+        cursor += 1
+    tail = -(hi - lo) % ALIGN  # O_DIRECT writes whole pages; truncated later
+    if tail:
+        slot.data[hi - lo : hi - lo + tail] = 0
+    return on_device
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if src.device.type == "cpu" and src.numel() < _SMALL_COPY:
+        dst.numpy()[:] = src.numpy()
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
+# ---- persisting: writer threads, the hasher thread, then the commit ---------------------
+
+
+@dataclass
+class _Block:
+    """One checksum block of a placed piece: file bytes [lo, hi)."""
+
+    lo: int
+    hi: int
+    piece: int
+    index: int
+
+
+class _OpenFile:
+    def __init__(self, storage: LocalDirectory, shard: ShardFile, first_piece: int) -> None:
+        self.shard = shard
+        self.fd, self.direct = open_for_write(storage.path(shard.name))
+        self.blocks: list[_Block] = []
+        self.empty: list[_Block] = []  # blocks of no bytes (empty tensors)
+        self.block_counts: list[int] = []
+        for i, p in enumerate(shard.placed):
+            shape, size = p.slot.shape, itemsize(p.slot.dtype)
+            step = p.block_rows * (math.prod(shape[1:]) * size if shape else size)
+            rows = shape[0] if shape else 1
+            self.block_counts.append(max(1, -(-rows // p.block_rows)))
+            for k in range(self.block_counts[-1]):
+                lo = p.begin + k * step
+                block = _Block(lo, min(lo + step, p.end), first_piece + i, k)
+                (self.blocks if block.hi > block.lo else self.empty).append(block)
+        self.cursor = 0
+        self.partial: xxhash.xxh3_64 | None = None
+
+
+class _Persist:
+    """Writes staged slots, checksums them in file order, and reports the result."""
+
+    def __init__(self, plan: SavePlan, pool: StagingPool, threads: int) -> None:
+        self.plan = plan
+        self.pool = pool
+        self.files: list[_OpenFile] = []
+        self.placed: list[Any] = []
+        self.sums: list[list[str]] = []
+        self.error: str | None = None
+        self._by_name: dict[str, _OpenFile] = {}
+        self._lock = threading.Lock()
+        self._writers = ThreadPoolExecutor(threads, thread_name_prefix="shardpoint-write")
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="shardpoint-hash")
+
+    def open(self, shards: list[ShardFile]) -> None:
+        for f in shards:
+            opened = _OpenFile(self.plan.storage, f, len(self.placed))
+            self.files.append(opened)
+            self.placed.extend(f.placed)
+            self.sums.extend([""] * n for n in opened.block_counts)
+            for b in opened.empty:
+                self.sums[b.piece][b.index] = checksum(b"")
+            self._by_name[f.name] = opened
+
+    def fail(self, error: str) -> None:
+        with self._lock:
+            self.error = self.error or error
+
+    def put(self, slot: Slot, shard: ShardFile, lo: int, hi: int) -> None:
+        opened = self._by_name[shard.name]
+        slot.pending = 2
+        self._writers.submit(self._write, slot, opened, lo, hi)
+        self._hasher.submit(self._hash, slot, opened, lo, hi)
+
+    def _write(self, slot: Slot, f: _OpenFile, lo: int, hi: int) -> None:
+        try:
+            if self.error is None:
+                n = -(-(hi - lo) // ALIGN) * ALIGN if f.direct else hi - lo
+                pwrite_all(f.fd, memoryview(slot.data.numpy())[:n], lo)
+        except Exception as exc:
+            self.fail(f"rank {self.plan.rank}: writing {f.shard.name}: {exc}")
+        finally:
+            self.pool.done_with(slot)
+
+    def _hash(self, slot: Slot, f: _OpenFile, lo: int, hi: int) -> None:
+        """Checksum blocks in [lo, hi); a block split across slots is hashed in parts."""
+        try:
+            view = memoryview(slot.data.numpy())
+            while f.cursor < len(f.blocks) and f.blocks[f.cursor].lo < hi:
+                b = f.blocks[f.cursor]
+                a, z = max(b.lo, lo), min(b.hi, hi)
+                if f.partial is None and b.lo >= lo and b.hi <= hi:
+                    self.sums[b.piece][b.index] = checksum(view[a - lo : z - lo])
+                else:
+                    f.partial = f.partial or xxhash.xxh3_64()
+                    f.partial.update(view[a - lo : z - lo])
+                    if b.hi > hi:
+                        break  # the rest of this block is in the next slot
+                    self.sums[b.piece][b.index] = f.partial.hexdigest()
+                    f.partial = None
+                f.cursor += 1
+        except Exception as exc:
+            self.fail(f"rank {self.plan.rank}: checksums of {f.shard.name}: {exc}")
+        finally:
+            self.pool.done_with(slot)
+
+    def finish(self) -> WriteResult:
+        """Wait for every slot, make the files durable, and say what was written."""
+        self._writers.shutdown(wait=True)
+        self._hasher.shutdown(wait=True)
+        try:
+            if self.error is None:
+                for f in self.files:
+                    os.ftruncate(f.fd, f.shard.size)  # drops the page padding of the tail
+                    os.fsync(f.fd)
+        except OSError as exc:
+            self.fail(f"rank {self.plan.rank}: {exc}")
+        finally:
+            for f in self.files:
+                os.close(f.fd)
+        if self.error is not None:
+            remove_own(self.plan.storage.root, list(self._by_name), remove_directory=False)
+            return WriteResult(error=self.error)
+        return WriteResult(
+            {f.shard.name: f.shard.size for f in self.files},
+            chunk_records(self.placed, self.sums),
+        )
