@@ -135,11 +135,16 @@ class AsyncSaver:
         persist = _Persist(plan, self.pool, self.threads)
         try:
             shards = lay_out(plan, self.max_shard_size, zero_copy=False)
-            self.pool.reserve(sum(-(-f.size // SLOT_BYTES) for f in shards))
+            slots = sum(-(-f.size // SLOT_BYTES) for f in shards)
+            self.pool.reserve(slots)
+            # When everything fits, writing starts after staging: writers running beside
+            # the copy slow it down (1.6 GB: 0.10 s alone, 0.13-0.25 s beside them).
+            persist.hold = self.pool.nbytes >= slots * SLOT_BYTES
             persist.open(shards)
             _stage(shards, self.pool, persist.put)
         except Exception as exc:  # the commit still runs, so that no rank waits forever
             persist.fail(f"rank {plan.rank}: {exc}")
+        persist.release_held()
         handle = AsyncSave(plan.storage.root, time.perf_counter() - start)
         self._in_flight = handle
         self._thread = threading.Thread(
@@ -314,6 +319,8 @@ class _Persist:
         self.sums: list[list[str]] = []
         self.error: str | None = None
         self._by_name: dict[str, _OpenFile] = {}
+        self.hold = False  # keep staged slots until staging is over (the pool fits it all)
+        self._held: list[tuple[Slot, _OpenFile, int, int]] = []
         self._lock = threading.Lock()
         self._writers = ThreadPoolExecutor(threads, thread_name_prefix="shardpoint-write")
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="shardpoint-hash")
@@ -333,10 +340,23 @@ class _Persist:
             self.error = self.error or error
 
     def put(self, slot: Slot, shard: ShardFile, lo: int, hi: int) -> None:
-        opened = self._by_name[shard.name]
-        slot.pending = 2
-        self._writers.submit(self._write, slot, opened, lo, hi)
-        self._hasher.submit(self._hash, slot, opened, lo, hi)
+        """Hand a staged slot to the writers and the hasher (or hold it, see ``hold``)."""
+        job = (slot, self._by_name[shard.name], lo, hi)
+        if self.hold:
+            self._held.append(job)
+        else:
+            self._submit(job)
+
+    def release_held(self) -> None:
+        self.hold = False
+        for job in self._held:
+            self._submit(job)
+        self._held.clear()
+
+    def _submit(self, job: tuple[Slot, _OpenFile, int, int]) -> None:
+        job[0].pending = 2
+        self._writers.submit(self._write, *job)
+        self._hasher.submit(self._hash, *job)
 
     def _write(self, slot: Slot, f: _OpenFile, lo: int, hi: int) -> None:
         try:
