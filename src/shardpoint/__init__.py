@@ -8,6 +8,7 @@
 __version__ = "0.1.0"
 
 from .background_save import AsyncSave, AsyncSaver, async_save  # noqa: E402
+from .convert import convert  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
     CheckpointExistsError,
@@ -16,6 +17,7 @@ from .errors import (  # noqa: E402
     StateMismatchError,
     UnsupportedValueError,
 )
+from .hf import export_hf, import_hf, load_hf  # noqa: E402
 from .loading import load  # noqa: E402
 from .reader import CheckpointReader, TensorSlice  # noqa: E402
 from .saving import SaveInfo, save  # noqa: E402
@@ -54,6 +56,10 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "async_save",
+    "convert",
+    "export_hf",
+    "import_hf",
+    "load_hf",
     "load",
     "open",
     "save",

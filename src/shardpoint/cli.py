@@ -1,30 +1,55 @@
-"""The ``shardpoint`` command: a thin layer over the library for looking at checkpoints."""
+"""The ``shardpoint`` command: a thin layer over the library.
+
+Exit status of every command: 0 success, 1 the check failed (corrupt checkpoint,
+differences found), 2 error (unreadable input, bad arguments).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import re
 import sys
-import threading
-import time
-from collections.abc import Sequence
-from typing import Any, TextIO
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.tree import Tree
 
 from . import __version__
+from .checkpoint_dir import OWN_FILE, delete_checkpoint, open_committed
 from .errors import CheckpointError
+from .format.index import MARKER_NAME
 from .reader import CheckpointReader
 from .verify import verify
 
 EXAMPLES = {
-    "inspect": "examples:\n"
-    "  shardpoint inspect runs/step-1000\n"
-    "  shardpoint inspect runs/step-1000 --json | jq '.tensors[0]'",
-    "verify": "examples:\n"
-    "  shardpoint verify runs/step-1000\n"
-    "  shardpoint verify runs/step-1000 --json\n\n"
-    "exit status: 0 clean, 1 corrupt or incomplete",
+    "ls": "shardpoint ls runs/exp1\n  shardpoint ls runs/exp1 --json",
+    "inspect": "shardpoint inspect runs/exp1/step-000001000\n"
+    "  shardpoint inspect runs/exp1/step-000001000 --json | jq '.tensors[0]'",
+    "verify": "shardpoint verify runs/exp1/step-000001000\n"
+    "  shardpoint verify runs/exp1            # every checkpoint in a directory",
+    "diff": "shardpoint diff runs/exp1/step-000001000 runs/exp1/step-000002000\n"
+    "  shardpoint diff A B --json",
+    "export-hf": "shardpoint export-hf runs/exp1/step-000001000 export/ --prefix model.\n"
+    "  shardpoint export-hf CKPT export/ --prefix model. --dtype bf16 --max-shard-size 2GB\n"
+    "  shardpoint export-hf CKPT export/ --rename '^model\\.=' --rename 'attn=self_attn'",
+    "import-hf": "shardpoint import-hf Llama-3-8B/ runs/imported\n"
+    "  shardpoint import-hf model.safetensors runs/imported",
+    "convert": "shardpoint convert dcp_checkpoint/ runs/converted      # DCP -> shardpoint\n"
+    "  shardpoint convert model.pt runs/converted             # torch.save -> shardpoint\n"
+    "  shardpoint convert runs/exp1/step-000001000 model.pt   # shardpoint -> torch.save",
+    "prune": "shardpoint prune runs/exp1 --keep-last 3 --dry-run\n"
+    "  shardpoint prune runs/exp1 --keep-last 3",
+    "report": "shardpoint report runs/exp1                 # summary + runs/exp1/report.png\n"
+    "  shardpoint report runs/exp1 --out saves.png --json",
 }
+_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def human_bytes(n: float) -> str:
@@ -35,32 +60,102 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-class ProgressBar:
-    """A one-line progress bar on a terminal; silent when the stream is not a TTY."""
+def _console(stderr: bool = False) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    # Off a terminal (pipes, CI logs) rich would wrap at 80 columns and cut names.
+    return Console(file=stream, width=None if stream.isatty() else 200)
 
-    def __init__(self, total: int, stream: TextIO = sys.stderr, label: str = "") -> None:
-        self.total, self.done, self.stream, self.label = max(total, 1), 0, stream, label
-        self.enabled = stream.isatty()
-        self._lock = threading.Lock()
-        self._last = 0.0
 
-    def advance(self, n: int) -> None:
-        with self._lock:
-            self.done += n
-            now = time.monotonic()
-            if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
-                self._last = now
-                frac = min(self.done / self.total, 1.0)
-                bar = "#" * int(frac * 30)
-                self.stream.write(
-                    f"\r{self.label} [{bar:<30}] {frac:6.1%} "
-                    f"{human_bytes(self.done)}/{human_bytes(self.total)}"
-                )
-                self.stream.flush()
+@contextmanager
+def _progress(total: int, label: str):  # noqa: ANN202 - yields the advance function
+    """A progress bar on stderr when it is a terminal; a no-op otherwise."""
+    console = _console(stderr=True)
+    if not console.is_terminal:
+        yield lambda n: None
+        return
+    columns = (TextColumn(label), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(label, total=max(total, 1))
+        yield lambda n: progress.advance(task, n)
 
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=1))
+
+
+# ---- ls -----------------------------------------------------------------------------------
+
+
+def _checkpoint_dirs(root: Path) -> list[Path]:
+    """``root`` itself if it is a checkpoint, else its subdirectories that look like one."""
+    if _looks_like_checkpoint(root):
+        return [root]
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such directory")
+    dirs = [p for p in root.iterdir() if p.is_dir() and _looks_like_checkpoint(p)]
+    return sorted(dirs, key=lambda p: (_step_of(p) is None, _step_of(p) or 0, p.name))
+
+
+def _looks_like_checkpoint(p: Path) -> bool:
+    return p.is_dir() and any(OWN_FILE.match(f.name) for f in p.iterdir())
+
+
+def _step_of(p: Path) -> int | None:
+    m = _STEP_DIR.match(p.name)
+    return int(m.group(1)) if m else None
+
+
+def _describe(p: Path) -> dict[str, Any]:
+    row: dict[str, Any] = {"path": str(p), "step": _step_of(p), "status": "valid", "error": None}
+    if not (p / MARKER_NAME).exists():
+        row["status"] = "uncommitted"
+        row["size"] = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+        return row
+    try:
+        ckpt = open_committed(p)  # marker, index, file sizes: no tensor bytes read
+    except CheckpointError as exc:
+        row.update(status="invalid", error=str(exc))
+        return row
+    index = ckpt.index
+    step = index.metadata.get("step")
+    row.update(
+        step=step if isinstance(step, int) else row["step"],
+        created=index.created,
+        size=sum(index.files.values()),
+        files=len(index.files),
+        ranks=index.world_size,
+    )
+    return row
+
+
+def _ls(args: argparse.Namespace) -> int:
+    rows = [_describe(p) for p in _checkpoint_dirs(Path(args.path))]
+    if args.json:
+        _print_json(rows)
+        return 0
+    table = Table(title=str(args.path), title_justify="left")
+    for column in ("checkpoint", "step", "created", "size", "files", "ranks", "status"):
+        table.add_column(column, justify="right" if column in ("step", "size") else "left")
+    colour = {"valid": "green", "invalid": "bold red", "uncommitted": "yellow"}
+    for r in rows:
+        table.add_row(
+            Path(r["path"]).name,
+            "" if r["step"] is None else str(r["step"]),
+            r.get("created", ""),
+            human_bytes(r.get("size", 0)),
+            str(r.get("files", "")),
+            str(r.get("ranks", "")),
+            f"[{colour[r['status']]}]{r['status']}[/]",
+        )
+    console = _console()
+    console.print(table)
+    for r in rows:
+        if r["error"]:
+            console.print(f"[red]{Path(r['path']).name}[/]: {r['error']}", highlight=False)
+    return 0
+
+
+# ---- inspect ------------------------------------------------------------------------------
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -68,41 +163,90 @@ def _inspect(args: argparse.Namespace) -> int:
         rows = []
         for name in reader.keys():
             entry = reader.entry(name)
+            ranks = sorted({int(c.file[4:9]) for c in entry.chunks if c.file.startswith("rank")})
             rows.append(
                 {
                     "name": name,
                     "dtype": entry.dtype,
                     "shape": list(entry.shape),
                     "bytes": entry.nbytes,
-                    "files": sorted({c.file for c in entry.chunks}),
                     "chunks": len(entry.chunks),
+                    "ranks": ranks,
+                    "files": sorted({c.file for c in entry.chunks}),
                     "alias_of": reader.alias_of(name),
                 }
             )
         values = reader.state(tensors=False)
         meta = reader.metadata
     if args.json:
-        print(
-            json.dumps(
-                {"path": str(args.path), **meta, "tensors": rows, "state": _jsonable(values)},
-                indent=1,
-            )
-        )
+        state = _jsonable(values)
+        _print_json({"path": str(args.path), **meta, "tensors": rows, "state": state})
         return 0
-    print(
-        f"{args.path}  (format v{meta['format_version']}, shardpoint {meta['library_version']}, "
-        f"created {meta['created']}, world size {meta['world_size']})"
+    console = _console()
+    console.print(
+        f"[bold]{args.path}[/]  format v{meta['format_version']}, shardpoint "
+        f"{meta['library_version']}, created {meta['created']}, {meta['world_size']} rank(s)",
+        highlight=False,
     )
-    widths = [max([len(r["name"]) for r in rows] + [4]), 8, 20, 10]
-    header = ["name", "dtype", "shape", "size", "file"]
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)) + "  file")
+    table = Table(show_edge=False)
+    for column in ("name", "dtype", "shape", "size", "sharding"):
+        table.add_column(column, justify="right" if column == "size" else "left")
     for r in rows:
-        where = f"= {r['alias_of']}" if r["alias_of"] else ", ".join(r["files"])
-        cells = [r["name"], r["dtype"], str(r["shape"]), human_bytes(r["bytes"])]
-        print("  ".join(c.ljust(w) for c, w in zip(cells, widths)) + "  " + where)
+        if r["alias_of"]:
+            sharding = f"= {r['alias_of']} (tied)"
+        elif r["chunks"] == 1:
+            sharding = f"whole, rank {r['ranks'][0]}" if r["ranks"] else "whole"
+        else:
+            sharding = f"{r['chunks']} chunks on ranks {_ranges(r['ranks'])}"
+        table.add_row(r["name"], r["dtype"], str(r["shape"]), human_bytes(r["bytes"]), sharding)
+    console.print(table)
+    tree = Tree("[bold]non-tensor state[/]")
+    _add_values(tree, values)
+    console.print(tree)
     total = sum(meta["files"].values())
-    print(f"{len(rows)} tensors, {len(meta['files'])} files, {human_bytes(total)}")
+    console.print(f"{len(rows)} tensors, {len(meta['files'])} files, {human_bytes(total)}")
     return 0
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
+
+
+def _add_values(tree: Tree, value: Any, limit: int = 200) -> None:
+    """Non-tensor values as a tree; tensors (index entries) are left out."""
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    shown = 0
+    for key, v in items:
+        if _is_entry(v):
+            continue
+        if shown == limit:
+            tree.add("…")
+            return
+        shown += 1
+        if isinstance(v, (dict, list, tuple)) and v and not all(_is_entry(x) for x in _vals(v)):
+            _add_values(tree.add(f"[cyan]{key}[/]"), v, limit)
+        elif not isinstance(v, (dict, list, tuple)):
+            tree.add(f"[cyan]{key}[/] = {_short(v)}")
+
+
+def _vals(v: Any) -> list[Any]:
+    return list(v.values()) if isinstance(v, dict) else list(v)
+
+
+def _is_entry(v: Any) -> bool:
+    return hasattr(v, "dtype") and hasattr(v, "chunks")
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _jsonable(value: Any) -> Any:
@@ -115,74 +259,280 @@ def _jsonable(value: Any) -> Any:
         return f"<{len(value)} bytes>"
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no nan/inf
-    if hasattr(value, "dtype") and hasattr(value, "chunks"):
+    if _is_entry(value):
         return f"<tensor {value.dtype}{list(value.shape)}>"
     return value
 
 
+# ---- verify -------------------------------------------------------------------------------
+
+
 def _verify(args: argparse.Namespace) -> int:
-    total = 0
-    try:
-        with CheckpointReader(args.path) as reader:
-            total = sum(reader.metadata["files"].values())
-    except CheckpointError:
-        pass  # verify() reports the problem below
-    bar = ProgressBar(total, label="verifying")
-    report = verify(args.path, progress=bar.advance)
-    bar.close()
+    root = Path(args.path)
+    single = (root / MARKER_NAME).exists() or not root.is_dir() or _looks_like_checkpoint(root)
+    paths = [root] if single else _checkpoint_dirs(root)
+    if not paths:
+        raise CheckpointError(f"{root}: no checkpoints here")
+    reports = []
+    for path in paths:
+        total = 0
+        try:
+            total = sum(open_committed(path).index.files.values())
+        except CheckpointError:
+            pass  # verify() reports the problem below
+        with _progress(total, f"verifying {path.name}") as advance:
+            reports.append(verify(path, progress=advance))
+    ok = all(r.ok for r in reports)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "path": str(args.path),
-                    "ok": report.ok,
-                    "errors": report.errors,
-                    "files": [
-                        {
-                            "name": f.name,
-                            "size": f.size,
-                            "chunks": f.chunks,
-                            "ok": f.ok,
-                            "errors": f.errors,
-                        }
-                        for f in report.files
-                    ],
-                },
-                indent=1,
+        docs = [
+            {
+                "path": str(r.path),
+                "ok": r.ok,
+                "errors": r.errors,
+                "files": [
+                    {
+                        "name": f.name,
+                        "size": f.size,
+                        "chunks": f.chunks,
+                        "ok": f.ok,
+                        "errors": f.errors,
+                    }
+                    for f in r.files
+                ],
+            }
+            for r in reports
+        ]
+        _print_json(docs[0] if single else docs)
+        return 0 if ok else 1
+    console = _console()
+    for r in reports:
+        for err in r.errors:
+            console.print(f"[bold red]ERROR[/] {err}", highlight=False)
+        for f in r.files:
+            status = "[green]ok[/]     " if f.ok else "[bold red]CORRUPT[/]"
+            console.print(
+                f"{status} {f.name}  {human_bytes(f.size)}  {f.chunks} chunks", highlight=False
             )
-        )
-    else:
-        for err in report.errors:
-            print(f"ERROR {err}")
-        for f in report.files:
-            status = "ok" if f.ok else "CORRUPT"
-            print(f"{status:8} {f.name}  {human_bytes(f.size)}  {f.chunks} chunks")
             for err in f.errors:
-                print(f"         {err}")
-        print("checkpoint is valid" if report.ok else "checkpoint is CORRUPT or incomplete")
-    return 0 if report.ok else 1
+                console.print(f"         {err}", highlight=False)
+        verdict = "[green]valid[/]" if r.ok else "[bold red]CORRUPT or incomplete[/]"
+        console.print(f"{r.path}: checkpoint is {verdict}", highlight=False)
+    return 0 if ok else 1
+
+
+# ---- diff ---------------------------------------------------------------------------------
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from .diff import diff_checkpoints
+
+    with CheckpointReader(args.a) as a, CheckpointReader(args.b) as b:
+        total = sum(a.entry(n).nbytes for n in set(a.keys()) & set(b.keys()))
+        with _progress(total, "comparing") as advance:
+            result = diff_checkpoints(a, b, progress=advance)
+    if args.json:
+        _print_json(result.to_json())
+        return 1 if result.differs else 0
+    console = _console()
+    for name in result.added:
+        console.print(f"[green]+ {name}[/]", highlight=False)
+    for name in result.removed:
+        console.print(f"[red]- {name}[/]", highlight=False)
+    for change in result.changed:
+        console.print(f"[yellow]~ {change.name}[/]  {change.detail}", highlight=False)
+    for path in result.values_changed:
+        console.print(f"[yellow]~ {path}[/] (value)", highlight=False)
+    console.print(
+        f"{len(result.added)} added, {len(result.removed)} removed, {len(result.changed)} tensors "
+        f"and {len(result.values_changed)} values changed, {result.unchanged} tensors identical"
+    )
+    return 1 if result.differs else 0
+
+
+# ---- export / import / convert ------------------------------------------------------------
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from .hf import export_hf
+
+    rules = []
+    for rule in args.rename:
+        pattern, sep, replacement = rule.partition("=")
+        if not sep:
+            raise CheckpointError(f"--rename {rule!r}: expected REGEX=REPLACEMENT")
+        rules.append((pattern, replacement))
+    with CheckpointReader(args.checkpoint) as reader:
+        total = sum(
+            reader.entry(n).nbytes for n in reader.keys() if n.startswith(args.prefix or "")
+        )
+    with _progress(total, "exporting") as advance:
+        result = export_hf(
+            args.checkpoint,
+            args.out,
+            max_shard_size=args.max_shard_size,
+            prefix=args.prefix,
+            dtype=args.dtype,
+            rename=rules,
+            progress=advance,
+        )
+    doc = {
+        "path": str(result.path),
+        "files": result.files,
+        "tensors": result.tensors,
+        "total_size": result.total_size,
+    }
+    if args.json:
+        _print_json(doc)
+    else:
+        _console().print(
+            f"exported {result.tensors} tensors ({human_bytes(result.total_size)}) to "
+            f"{result.path} in {len(result.files)} file(s)",
+            highlight=False,
+        )
+    return 0
+
+
+def _import_hf(args: argparse.Namespace) -> int:
+    from .hf import import_hf
+
+    info = import_hf(args.source, args.out)
+    return _report_saved(args, info.path, info.tensors, info.bytes_written, [])
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+
+    result = convert(args.source, args.out)
+    return _report_saved(args, result.path, result.tensors, None, result.skipped)
+
+
+def _report_saved(
+    args: argparse.Namespace, path: Path, tensors: int, nbytes: int | None, skipped: list[str]
+) -> int:
+    doc = {"path": str(path), "tensors": tensors, "bytes": nbytes, "skipped": skipped}
+    if args.json:
+        _print_json(doc)
+        return 0
+    console = _console()
+    size = f" ({human_bytes(nbytes)})" if nbytes is not None else ""
+    console.print(f"wrote {tensors} tensors{size} to {path}", highlight=False)
+    if skipped:
+        console.print(f"[yellow]not converted (not tensors):[/] {', '.join(skipped[:10])}")
+    return 0
+
+
+# ---- prune --------------------------------------------------------------------------------
+
+
+def _prune(args: argparse.Namespace) -> int:
+    if args.keep_last < 1:
+        raise CheckpointError("--keep-last must be at least 1: prune never deletes them all")
+    rows = [_describe(p) for p in _checkpoint_dirs(Path(args.path))]
+    committed = [r for r in rows if r["status"] != "uncommitted"]
+    keep = {r["path"] for r in committed[-args.keep_last :]}
+    delete = [r for r in committed if r["path"] not in keep]
+    for r in delete if not args.dry_run else []:
+        delete_checkpoint(Path(r["path"]))
+    doc = {
+        "dry_run": args.dry_run,
+        "deleted": [r["path"] for r in delete],
+        "kept": sorted(keep),
+        # An uncommitted directory may be a save in progress: never touched here.
+        "left_alone_uncommitted": [r["path"] for r in rows if r["status"] == "uncommitted"],
+    }
+    if args.json:
+        _print_json(doc)
+        return 0
+    console = _console()
+    verb = "would delete" if args.dry_run else "deleted"
+    for r in delete:
+        console.print(f"[red]{verb}[/] {r['path']}", highlight=False)
+    for path in doc["left_alone_uncommitted"]:
+        console.print(f"[yellow]left alone[/] {path} (uncommitted: a save may be running)")
+    console.print(f"{verb} {len(delete)}, kept {len(keep)}")
+    return 0
+
+
+# ---- report -------------------------------------------------------------------------------
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import save_report
+
+    summary = save_report(Path(args.path), Path(args.out) if args.out else None)
+    if args.json:
+        _print_json(summary)
+        return 0
+    console = _console()
+    table = Table(title=f"{args.path}: {summary['saves']} saves", title_justify="left")
+    for column in ("", "median", "max", "total"):
+        table.add_column(column, justify="left" if not column else "right")
+    for key, unit in (("seconds", "s"), ("blocked_seconds", "s"), ("bytes", "B")):
+        s = summary[key]
+        fmt: Callable[[float], str] = human_bytes if unit == "B" else (lambda v: f"{v:.3f} s")
+        table.add_row(key.replace("_", " "), fmt(s["median"]), fmt(s["max"]), fmt(s["total"]))
+    console.print(table)
+    console.print(
+        f"restores {summary['restores']}, fallbacks {summary['fallbacks']}, failed saves "
+        f"{summary['failed_saves']}, deletions {summary['deletions']}; plot: {summary['plot']}",
+        highlight=False,
+    )
+    return 0
+
+
+# ---- the parser ---------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="shardpoint", description="Inspect and verify shardpoint checkpoints."
+        prog="shardpoint",
+        description="Look at, check, compare, convert and prune shardpoint checkpoints.",
+        epilog="exit status: 0 success, 1 check failed (corrupt, differences), 2 error",
     )
     parser.add_argument("--version", action="version", version=f"shardpoint {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, func, text in (
-        ("inspect", _inspect, "list the entries of a checkpoint: name, dtype, shape, size, file"),
-        ("verify", _verify, "recompute every checksum; exit 1 if anything is corrupt"),
-    ):
+
+    def command(name: str, func: Callable[[argparse.Namespace], int], text: str) -> Any:
         p = sub.add_parser(
             name,
             help=text,
             description=text,
-            epilog=EXAMPLES[name],
+            epilog="examples:\n  " + EXAMPLES[name],
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        p.add_argument("path", help="checkpoint directory")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=func)
+        return p
+
+    p = command("ls", _ls, "table of the checkpoints in a directory: step, size, status")
+    p.add_argument("path", help="a directory of checkpoints (e.g. a CheckpointManager's)")
+    p = command("inspect", _inspect, "entries with dtype, shape, sharding; non-tensor state")
+    p.add_argument("path", help="checkpoint directory")
+    p = command("verify", _verify, "recompute every checksum; exit 1 if anything is corrupt")
+    p.add_argument("path", help="a checkpoint, or a directory of checkpoints")
+    p = command("diff", _diff, "entries added, removed, changed (with max abs difference)")
+    p.add_argument("a", help="first checkpoint")
+    p.add_argument("b", help="second checkpoint")
+    p = command("export-hf", _export_hf, "write the Hugging Face sharded safetensors layout")
+    p.add_argument("checkpoint", help="shardpoint checkpoint")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--prefix", help="select entries starting with this and strip it (model.)")
+    p.add_argument("--max-shard-size", default="5GB", help="per file (default 5GB = 5*10^9)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating tensors")
+    p.add_argument("--rename", action="append", default=[], help="REGEX=REPLACEMENT, repeatable")
+    p = command("import-hf", _import_hf, "make a checkpoint from a Hugging Face layout")
+    p.add_argument("source", help="directory with model.safetensors[.index.json], or a file")
+    p.add_argument("out", help="new checkpoint directory")
+    p = command("convert", _convert, "DCP or torch.save -> shardpoint, shardpoint -> torch.save")
+    p.add_argument("source", help="DCP directory, torch.save file or shardpoint checkpoint")
+    p.add_argument("out", help="new checkpoint directory, or .pt file from shardpoint")
+    p = command("prune", _prune, "delete all but the newest committed checkpoints")
+    p.add_argument("path", help="a directory of checkpoints")
+    p.add_argument("--keep-last", type=int, required=True, help="how many to keep")
+    p.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
+    p = command("report", _report, "summary and plot of a CheckpointManager's event log")
+    p.add_argument("path", help="a CheckpointManager directory (with events.jsonl)")
+    p.add_argument("--out", help="PNG path (default: DIR/report.png)")
     return parser
 
 
@@ -190,12 +540,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except CheckpointError as exc:
-        print(f"shardpoint: error: {exc}", file=sys.stderr)
-        return 1
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"shardpoint: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,111 @@
+"""Conversions between shardpoint and other checkpoint formats.
+
+- ``torch.distributed.checkpoint`` directory -> shardpoint: DCP keeps its metadata in a
+  pickle (``.metadata``), which torch's own reader loads; converting is an explicit
+  request to trust that directory. Non-tensor entries of DCP (pickled objects) are
+  not converted and are reported.
+- ``torch.save`` file -> shardpoint: read with ``torch.load(weights_only=True,
+  mmap=True)`` (the restricted unpickler; tensor bytes stay memory-mapped).
+- shardpoint -> ``torch.save`` file: the whole state is built in memory, because a
+  ``torch.save`` file is one pickle of one object.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+from .format.index import MARKER_NAME
+from .reader import CheckpointReader
+from .saving import save
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """What ``convert`` did."""
+
+    source_format: str  # "dcp", "torch.save" or "shardpoint"
+    path: Path
+    tensors: int
+    skipped: list[str] = field(default_factory=list)  # entries that could not be converted
+
+
+def detect_format(path: str | os.PathLike[str]) -> str:
+    path = Path(path)
+    if path.is_dir() and (path / MARKER_NAME).exists():
+        return "shardpoint"
+    if path.is_dir() and (path / ".metadata").exists():
+        return "dcp"
+    if path.is_file():
+        return "torch.save"
+    raise CheckpointError(
+        f"{path}: not a shardpoint checkpoint (no {MARKER_NAME}), a torch.distributed."
+        "checkpoint directory (no .metadata) or a torch.save file"
+    )
+
+
+def convert(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> Conversion:
+    """Convert ``source`` (DCP directory, ``torch.save`` file, or shardpoint checkpoint)
+    to ``out``: a shardpoint checkpoint, or a ``torch.save`` file from shardpoint."""
+    kind = detect_format(source)
+    if kind == "dcp":
+        return dcp_to_shardpoint(source, out)
+    if kind == "torch.save":
+        return torch_save_to_shardpoint(source, out)
+    return shardpoint_to_torch_save(source, out)
+
+
+def dcp_to_shardpoint(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> Conversion:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(source))
+    metadata = reader.read_metadata()
+    state: dict[str, Any] = {}
+    skipped = []
+    for key, meta in metadata.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        else:
+            skipped.append(key)
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    info = save(state, out)
+    return Conversion("dcp", info.path, info.tensors, skipped)
+
+
+def torch_save_to_shardpoint(
+    source: str | os.PathLike[str], out: str | os.PathLike[str]
+) -> Conversion:
+    try:
+        obj = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - anything torch.load raises is the file's fault
+        raise CheckpointError(
+            f"{source}: cannot read it as a torch.save file with weights_only=True ({exc}); "
+            "only tensors and plain containers are converted"
+        ) from None
+    if isinstance(obj, torch.Tensor):
+        obj = {"tensor": obj}
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{source}: holds a {type(obj).__name__}, not a dict of tensors")
+    info = save(obj, out)
+    return Conversion("torch.save", info.path, info.tensors)
+
+
+def shardpoint_to_torch_save(
+    source: str | os.PathLike[str], out: str | os.PathLike[str]
+) -> Conversion:
+    out = Path(out)
+    if out.exists():
+        raise CheckpointError(f"{out}: already exists; choose a new file name")
+    with CheckpointReader(source) as reader:
+        state = reader.state()  # verified
+        tensors = len(reader.keys())
+    tmp = out.with_name(out.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, out)
+    return Conversion("shardpoint", out, tensors)

@@ -1,0 +1,427 @@
+"""The Hugging Face sharded layout: export to it, load from it, import it.
+
+The layout (public, huggingface_hub): ``model-00001-of-0000N.safetensors`` files, each
+with ``{"format": "pt"}`` metadata, and ``model.safetensors.index.json`` holding
+``{"metadata": {"total_size": N}, "weight_map": {tensor: file}}``; a model that fits
+one shard is a single ``model.safetensors`` without an index.
+
+Export streams tensor by tensor: one tensor (plus its cast copy) is in memory at a
+time. Loading reads each rank's slices straight into its (possibly FSDP-sharded)
+parameters with the same read planner as ``shardpoint.load``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint_dir import CommittedCheckpoint, read_header
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    StateMismatchError,
+)
+from .format.index import Chunk, Index, TensorEntry, check_file_name
+from .format.safetensors import DTYPES, dtype_name, encode_header, itemsize, layout
+from .loading import ReadPlan
+from .reader import CheckpointReader
+from .saving import DEFAULT_THREADS, SaveInfo, save
+from .storage.local import LocalDirectory, fsync_directory, pwrite_all
+from .tensor_kinds import local_part
+from .tensor_memory import flat_bytes, plain
+
+HF_INDEX = "model.safetensors.index.json"
+HF_SINGLE = "model.safetensors"
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default
+_MAX_INDEX_BYTES = 256 * 1024 * 1024
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_FLOATING = {"F64", "F32", "F16", "BF16"}
+CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or "5GB" / "500MB" / "2GiB" (GB = 10**9, as in
+    huggingface_hub; GiB = 2**30)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", size)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"not a size: {size!r} (examples: 5GB, 500MB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+@dataclass(frozen=True)
+class HFExport:
+    """What ``export_hf`` wrote."""
+
+    path: Path
+    files: list[str]
+    tensors: int
+    total_size: int
+
+
+def export_hf(
+    checkpoint: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    prefix: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    rename: Iterable[tuple[str, str]] = (),
+    progress: Callable[[int], None] | None = None,
+) -> HFExport:
+    """Write the tensors of a shardpoint checkpoint in the Hugging Face sharded layout.
+
+    ``prefix`` selects entries whose name starts with it and strips it (``"model."``
+    for a ``{"model": model}`` or ``TrainState`` checkpoint). ``dtype`` ("bf16",
+    "fp16", "fp32" or a torch dtype) casts floating tensors. ``rename`` is a list of
+    ``(regex, replacement)`` applied in order to every (stripped) name. Works for a
+    checkpoint saved on any number of ranks with any sharding; every tensor is read
+    and checksum-verified on its own, so memory holds one tensor at a time.
+
+    >>> export_hf("runs/step-1000", "export/", prefix="model.", dtype="bf16")  # doctest: +SKIP
+    """
+    limit = parse_size(max_shard_size)
+    cast = _cast_dtype(dtype)
+    rules = [(re.compile(pattern), replacement) for pattern, replacement in rename]
+    out = Path(out)
+    with CheckpointReader(checkpoint) as reader:
+        plan: list[tuple[str, str, str, tuple[int, ...]]] = []  # source, name, dtype, shape
+        seen: dict[str, str] = {}
+        for source in reader.keys():
+            if prefix is not None and not source.startswith(prefix):
+                continue
+            name = source[len(prefix or "") :]
+            for pattern, replacement in rules:
+                name = pattern.sub(replacement, name)
+            if name in seen:
+                raise CheckpointError(
+                    f"{out}: {seen[name]!r} and {source!r} would both be exported as {name!r}; "
+                    "change the rename rules"
+                )
+            seen[name] = source
+            entry = reader.entry(source)
+            stored = entry.dtype
+            target = dtype_name(cast) if cast is not None and stored in _FLOATING else stored
+            plan.append((source, name, target, entry.shape))
+        if not plan:
+            raise CheckpointError(
+                f"{reader.path}: no tensor entry starts with {prefix!r}; see `shardpoint "
+                "inspect` for the names (a TrainState's model is under 'model.')"
+            )
+        shards = _split(plan, limit)
+        names = _file_names(len(shards))
+        _prepare_output(out)
+        weight_map: dict[str, str] = {}
+        for file, tensors in zip(names, shards):
+            _write_hf_file(reader, out / file, tensors, progress)
+            weight_map.update({name: file for _, name, _, _ in tensors})
+        total = sum(math.prod(shape) * itemsize(dt) for _, _, dt, shape in plan)
+        if len(names) > 1:
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            _write_durably(out / HF_INDEX, json.dumps(index, indent=2).encode())
+        fsync_directory(out)
+    return HFExport(out, names, len(plan), total)
+
+
+def _cast_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in CAST_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(CAST_DTYPES)}, not {dtype!r}")
+    return CAST_DTYPES[dtype]
+
+
+def _split(
+    plan: list[tuple[str, str, str, tuple[int, ...]]], limit: int
+) -> list[list[tuple[str, str, str, tuple[int, ...]]]]:
+    """Greedy in state order; a tensor larger than the limit gets a file of its own."""
+    shards: list[list[tuple[str, str, str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for item in plan:
+        nbytes = math.prod(item[3]) * itemsize(item[2])
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    return shards
+
+
+def _file_names(n: int) -> list[str]:
+    if n == 1:
+        return [HF_SINGLE]
+    return [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+
+
+def _prepare_output(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    existing = [p.name for p in out.glob("model*.safetensors*")]
+    if existing:
+        raise CheckpointExistsError(
+            f"{out}: already holds an exported model ({sorted(existing)[:3]}); export to an "
+            "empty directory or remove those files first"
+        )
+
+
+def _write_hf_file(
+    reader: CheckpointReader,
+    path: Path,
+    tensors: list[tuple[str, str, str, tuple[int, ...]]],
+    progress: Callable[[int], None] | None,
+) -> None:
+    slots = layout([(name, dt, shape) for _, name, dt, shape in tensors])
+    header = encode_header(slots, {"format": "pt"})
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        pwrite_all(fd, memoryview(header), 0)
+        for source, name, dt, _ in tensors:
+            tensor = reader.get(source)  # verified; the only copy of it in memory
+            if tensor.dtype != DTYPES[dt]:
+                tensor = tensor.to(DTYPES[dt])
+            pwrite_all(fd, memoryview(flat_bytes(tensor).numpy()), len(header) + slots[name].begin)
+            if progress is not None:
+                progress(slots[name].nbytes)
+            del tensor
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---- reading the layout ------------------------------------------------------------------
+
+
+def open_hf(source: str | os.PathLike[str]) -> CommittedCheckpoint:
+    """The tensors of a Hugging Face layout (directory with an index or a single
+    ``model.safetensors``, or one ``.safetensors`` file), as a checkpoint the read
+    planner understands. Headers are parsed strictly; nothing else is read."""
+    source = Path(source)
+    if source.is_file():
+        root, files = source.parent, [source.name]
+    elif (source / HF_INDEX).is_file():
+        root, files = source, _index_files(source / HF_INDEX)
+    elif (source / HF_SINGLE).is_file():
+        root, files = source, [HF_SINGLE]
+    else:
+        pickled = sorted(p.name for p in source.glob("*.bin")) if source.is_dir() else []
+        hint = (
+            f" It holds pickle weights ({pickled[0]}...): pass allow_pickle_weights=True "
+            "(CLI: --allow-pickle-weights) to read them with torch.load(weights_only=True)."
+            if pickled
+            else ""
+        )
+        raise CheckpointError(
+            f"{source}: no {HF_INDEX}, {HF_SINGLE} or .safetensors file here.{hint}"
+        )
+    storage = LocalDirectory(root)
+    entries: dict[str, TensorEntry] = {}
+    sizes: dict[str, int] = {}
+    for file in files:
+        header = read_header(storage, file)
+        sizes[file] = storage.path(file).stat().st_size
+        for name, slot in header.slots.items():
+            if name in entries:
+                raise CorruptCheckpointError(
+                    f"{storage.path(file)}: tensor {name!r} is in two files"
+                )
+            rows = slot.shape[0] if slot.shape else 1
+            chunk = Chunk(
+                file,
+                name,
+                (0,) * len(slot.shape),
+                slot.shape,
+                header.data_start + slot.begin,
+                header.data_start + slot.end,
+                (),
+                max(rows, 1),
+            )
+            entries[name] = TensorEntry(name, slot.dtype, slot.shape, (chunk,))
+    index = Index(
+        files=sizes, entries=entries, aliases={}, tree=None, created="", library_version=""
+    )
+    return CommittedCheckpoint(storage, index)
+
+
+def _index_files(path: Path) -> list[str]:
+    where = str(path)
+    if path.stat().st_size > _MAX_INDEX_BYTES:
+        raise CorruptCheckpointError(f"{where}: index larger than {_MAX_INDEX_BYTES} bytes")
+    try:
+        data = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({exc})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
+        raise CorruptCheckpointError(f"{where}: no 'weight_map' object of tensor -> file")
+    return sorted({check_file_name(f, where) for f in weight_map.values()})
+
+
+def load_hf(
+    target: torch.nn.Module | Mapping[str, torch.Tensor],
+    source: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    threads: int = DEFAULT_THREADS,
+    allow_pickle_weights: bool = False,
+) -> None:
+    """Fill a model (or a mapping of name -> tensor) in place from a Hugging Face layout.
+
+    Each rank reads only the slices its (DTensor/FSDP2-sharded) parameters hold. Tensors
+    stored in another floating dtype are cast. Tied parameters count as present when
+    one of them is. ``.bin`` (pickle) weights are refused unless
+    ``allow_pickle_weights=True``, which reads them with ``torch.load(weights_only=True)``.
+
+    >>> model = LlamaForCausalLM(config)            # doctest: +SKIP
+    >>> fully_shard(model)                           # doctest: +SKIP
+    >>> shardpoint.load_hf(model, "Llama-3-8B/")     # doctest: +SKIP
+    """
+    dests = dict(target.state_dict() if isinstance(target, torch.nn.Module) else target)
+    source = Path(source)
+    if allow_pickle_weights and not _has_safetensors(source):
+        return _load_pickle_weights(dests, source, strict)
+    ckpt = open_hf(source)
+    stored = ckpt.index.entries
+    _check_fit(dests, set(stored), strict, str(source))
+    plan = ReadPlan(ckpt)
+    casts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, dest in dests.items():
+        if name not in stored:
+            continue
+        entry = stored[name]
+        part, global_shape, offsets = local_part(plain(dest), name)
+        if tuple(global_shape) != entry.shape:
+            raise StateMismatchError(
+                f"{source}: {name!r} has shape {list(entry.shape)} in the file and "
+                f"{list(global_shape)} in the model; build the model from the same config"
+            )
+        if part.dtype == DTYPES[entry.dtype]:
+            plan.into_region(name, part, offsets)
+        else:
+            tmp = torch.empty(part.shape, dtype=DTYPES[entry.dtype])
+            plan.into_region(name, tmp, offsets)
+            casts.append((part, tmp))
+    plan.run(threads=threads, verify=False)  # the layout has no checksums
+    with torch.no_grad():
+        for part, tmp in casts:
+            part.copy_(tmp)
+
+
+def _has_safetensors(source: Path) -> bool:
+    return source.suffix == ".safetensors" or any(source.glob("*.safetensors"))
+
+
+def _check_fit(dests: dict[str, torch.Tensor], stored: set[str], strict: bool, where: str) -> None:
+    present = {_storage_key(t) for name, t in dests.items() if name in stored}
+    missing = [n for n, t in dests.items() if n not in stored and _storage_key(t) not in present]
+    unexpected = sorted(stored - set(dests))
+    if strict and (missing or unexpected):
+        raise StateMismatchError(
+            f"{where}: the weights do not fit the model: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}; build the model from the checkpoint's config or pass strict=False"
+        )
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    part = plain(t)
+    local = getattr(part, "_local_tensor", part)
+    return (local.device, local.data_ptr(), tuple(local.shape))
+
+
+def _load_pickle_weights(dests: dict[str, torch.Tensor], source: Path, strict: bool) -> None:
+    files = [source] if source.is_file() else sorted(source.glob("*.bin"))
+    if not files:
+        raise CheckpointError(f"{source}: no .bin weights here")
+    stored: dict[str, torch.Tensor] = {}
+    for f in files:
+        # Restricted unpickler (tensors and plain containers only), memory-mapped.
+        stored.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+    _check_fit(dests, set(stored), strict, str(source))
+    with torch.no_grad():
+        for name, dest in dests.items():
+            if name not in stored:
+                continue
+            part, _, offsets = local_part(plain(dest), name)
+            box = stored[name]
+            for dim, (o, s) in enumerate(zip(offsets, part.shape)):
+                box = box.narrow(dim, o, s)
+            part.copy_(box)
+
+
+def import_hf(
+    source: str | os.PathLike[str], out: str | os.PathLike[str], **save_options: Any
+) -> SaveInfo:
+    """Make a shardpoint checkpoint of a Hugging Face layout's tensors.
+
+    The source files are memory-mapped, so their pages stream through the page cache
+    into the new checkpoint instead of being loaded into process memory.
+    """
+    ckpt = open_hf(source)
+    maps: list[mmap.mmap] = []
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        for file in ckpt.index.files:
+            with open(ckpt.storage.path(file), "rb") as f:
+                maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            raw = None
+            if len(maps[-1]):
+                with warnings.catch_warnings():  # read-only on purpose: save only reads it
+                    warnings.simplefilter("ignore", UserWarning)
+                    raw = torch.frombuffer(maps[-1], dtype=torch.uint8)
+            for entry in ckpt.index.entries.values():
+                c = entry.chunks[0]
+                if c.file != file:
+                    continue
+                data = (
+                    raw[c.begin : c.end] if raw is not None else torch.empty(0, dtype=torch.uint8)
+                )
+                # A byte view cast to the dtype needs aligned offsets; copy the rare odd one.
+                if c.begin % itemsize(entry.dtype):
+                    data = data.clone()
+                tensors[entry.name] = data.view(DTYPES[entry.dtype]).reshape(entry.shape)
+        return save(tensors, out, **save_options)
+    finally:
+        tensors.clear()
+        for m in maps:
+            try:
+                m.close()
+            except BufferError:
+                pass  # a tensor still points into it; the map closes when that goes
