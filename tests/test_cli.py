@@ -1,8 +1,10 @@
-"""The shardpoint command: inspect and verify, human and --json output, exit codes."""
+"""The shardpoint command: every subcommand on real checkpoints (valid, corrupt,
+uncommitted), human and --json output, exit codes (0 ok, 1 check failed, 2 error)."""
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -18,12 +20,8 @@ def test_inspect_lists_entries_with_dtype_shape_size_file(ckpt_dir, capsys):
     _save(ckpt_dir)
     assert main(["inspect", str(ckpt_dir)]) == 0
     out = capsys.readouterr().out
-    assert (
-        "model.weight" in out
-        and "F32" in out
-        and "[2, 3]" in out
-        and "rank00000-00000.safetensors" in out
-    )
+    assert "model.weight" in out and "F32" in out and "[2, 3]" in out and "whole, rank 0" in out
+    assert "step = 9" in out  # the non-tensor state
 
 
 def test_inspect_json(ckpt_dir, capsys):
@@ -49,12 +47,13 @@ def test_verify_exit_codes_follow_corruption(ckpt_dir, capsys):
 
 def test_verify_of_an_uncommitted_directory_fails(tmp_path, capsys):
     (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "rank00000-00000.safetensors").write_bytes(b"partial")
     assert main(["verify", str(tmp_path / "x")]) == 1
     assert "no commit marker" in capsys.readouterr().out
 
 
 def test_inspect_of_a_bad_path_prints_a_clear_error(tmp_path, capsys):
-    assert main(["inspect", str(tmp_path / "missing")]) == 1
+    assert main(["inspect", str(tmp_path / "missing")]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err
 
 
@@ -72,3 +71,160 @@ def test_console_script_runs(ckpt_dir):
         ).returncode
         == 0
     )
+
+
+# ---- a manager directory with valid, corrupt and uncommitted checkpoints ----------------
+
+
+def _run_dir(root):
+    """Steps 1-3 committed (step 2 then corrupted: its index no longer matches the
+    marker), step 4 uncommitted (a crashed save)."""
+    manager = shardpoint.CheckpointManager(root, keep_last=10, preemption_signals=())
+    model = torch.nn.Linear(4, 3)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.add_(0.5)
+        manager.save(step, {"model": model, "step": step}, force=True)
+    manager.close()
+    index = root / "step-000000002" / "index.json"
+    index.write_bytes(index.read_bytes() + b" ")  # no longer the index the marker names
+    (root / "step-000000004").mkdir()
+    (root / "step-000000004" / "rank00000-00000.safetensors").write_bytes(b"half")
+    return root
+
+
+def test_ls_shows_every_checkpoint_with_its_status(tmp_path, capsys):
+    root = _run_dir(tmp_path / "run")
+    assert main(["ls", str(root), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["status"]) for r in rows] == [
+        (1, "valid"),
+        (2, "invalid"),
+        (3, "valid"),
+        (4, "uncommitted"),
+    ]
+    assert rows[0]["files"] == 1 and rows[0]["ranks"] == 1 and rows[0]["size"] > 0
+    assert main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "uncommitted" in out and "invalid" in out and "step-000000003" in out
+
+
+def test_verify_of_a_directory_checks_every_checkpoint(tmp_path, capsys):
+    root = _run_dir(tmp_path / "run")
+    assert main(["verify", str(root), "--json"]) == 1
+    docs = json.loads(capsys.readouterr().out)
+    assert [d["ok"] for d in docs] == [True, False, True, False]
+    (root / "step-000000002").rename(tmp_path / "moved")
+    import shutil
+
+    shutil.rmtree(root / "step-000000004")
+    assert main(["verify", str(root)]) == 0
+
+
+def test_diff_reports_changed_added_removed_and_values(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    shardpoint.save(
+        {"w": torch.zeros(3), "same": torch.ones(2), "gone": torch.ones(1), "lr": 0.1}, a
+    )
+    shardpoint.save(
+        {
+            "w": torch.tensor([0.0, 0.5, -2.0]),
+            "same": torch.ones(2),
+            "new": torch.ones(1),
+            "lr": 0.2,
+        },
+        b,
+    )
+    assert main(["diff", str(a), str(b), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["added"] == ["new"] and doc["removed"] == ["gone"]
+    assert doc["changed"] == [{"name": "w", "detail": "max abs diff 2", "max_abs_diff": 2.0}]
+    assert doc["values_changed"] == ["lr"] and doc["unchanged"] == 1
+    assert main(["diff", str(a), str(a)]) == 0
+    assert "0 added, 0 removed" in capsys.readouterr().out
+
+
+def test_diff_of_a_corrupt_checkpoint_is_an_error(tmp_path, capsys):
+    root = _run_dir(tmp_path / "run")
+    code = main(["diff", str(root / "step-000000001"), str(root / "step-000000002")])
+    assert code == 2 and "step-000000002" in capsys.readouterr().err
+
+
+def test_export_hf_and_import_hf_commands(tmp_path, capsys):
+    from safetensors import safe_open
+
+    _save(tmp_path / "ckpt")
+    code = main(
+        [
+            "export-hf",
+            str(tmp_path / "ckpt"),
+            str(tmp_path / "hf"),
+            "--prefix",
+            "model.",
+            "--dtype",
+            "fp16",
+            "--rename",
+            "^weight$=kernel",
+            "--json",
+        ]
+    )
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["files"] == ["model.safetensors"] and doc["tensors"] == 2
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["bias", "kernel"]
+        assert f.get_tensor("kernel").dtype == torch.float16
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    assert "wrote 2 tensors" in capsys.readouterr().out
+    assert (
+        main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "x"), "--prefix", "nope."]) == 2
+    )
+    assert "no tensor entry starts with 'nope.'" in capsys.readouterr().err
+    assert main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "y"), "--rename", "bad"]) == 2
+
+
+def test_import_hf_refuses_pickle_weights(tmp_path, capsys):
+    torch.save({"w": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    assert main(["import-hf", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "pickle" in capsys.readouterr().err
+
+
+def test_convert_command_between_formats(tmp_path, capsys):
+    torch.save({"w": torch.arange(4.0)}, tmp_path / "in.pt")
+    assert main(["convert", str(tmp_path / "in.pt"), str(tmp_path / "ckpt"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tensors"] == 1
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "out.pt")]) == 0
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], torch.arange(4.0))
+    assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "z")]) == 2
+
+
+def test_prune_keeps_the_newest_and_never_touches_uncommitted(tmp_path, capsys):
+    root = _run_dir(tmp_path / "run")
+    assert main(["prune", str(root), "--keep-last", "1", "--dry-run", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [Path(p).name for p in doc["deleted"]] == ["step-000000001", "step-000000002"]
+    assert (root / "step-000000001").exists()  # dry run
+    assert main(["prune", str(root), "--keep-last", "1"]) == 0
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [
+        "step-000000003",
+        "step-000000004",
+    ]
+    assert main(["prune", str(root), "--keep-last", "0"]) == 2
+
+
+def test_report_summarises_the_event_log_and_plots(tmp_path, capsys):
+    root = _run_dir(tmp_path / "run")
+    assert main(["report", str(root), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["saves"] == 3 and doc["bytes"]["total"] > 0
+    assert Path(doc["plot"]).stat().st_size > 1000  # a PNG
+    assert main(["report", str(tmp_path)]) == 2
+
+
+def test_every_command_has_help_with_examples():
+    from shardpoint.cli import EXAMPLES, build_parser
+
+    parser = build_parser()
+    for name in EXAMPLES:
+        help_text = parser._subparsers._group_actions[0].choices[name].format_help()
+        assert "examples:" in help_text and "--json" in help_text, name
