@@ -187,6 +187,9 @@ def test_import_hf_refuses_pickle_weights(tmp_path, capsys):
     torch.save({"w": torch.ones(2)}, tmp_path / "pytorch_model.bin")
     assert main(["import-hf", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "pickle" in capsys.readouterr().err
+    assert main(["import-hf", str(tmp_path), str(tmp_path / "out"), "--allow-pickle-weights"]) == 0
+    with shardpoint.open(tmp_path / "out") as r:
+        assert torch.equal(r.get("w"), torch.ones(2))
 
 
 def test_convert_command_between_formats(tmp_path, capsys):

@@ -395,7 +395,7 @@ def _export_hf(args: argparse.Namespace) -> int:
 def _import_hf(args: argparse.Namespace) -> int:
     from .hf import import_hf
 
-    info = import_hf(args.source, args.out)
+    info = import_hf(args.source, args.out, allow_pickle_weights=args.allow_pickle_weights)
     return _report_saved(args, info.path, info.tensors, info.bytes_written, [])
 
 
@@ -523,6 +523,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("import-hf", _import_hf, "make a checkpoint from a Hugging Face layout")
     p.add_argument("source", help="directory with model.safetensors[.index.json], or a file")
     p.add_argument("out", help="new checkpoint directory")
+    p.add_argument(
+        "--allow-pickle-weights",
+        action="store_true",
+        help="read .bin (pickle) weights with torch's restricted unpickler",
+    )
     p = command("convert", _convert, "DCP or torch.save -> shardpoint, shardpoint -> torch.save")
     p.add_argument("source", help="DCP directory, torch.save file or shardpoint checkpoint")
     p.add_argument("out", help="new checkpoint directory, or .pt file from shardpoint")

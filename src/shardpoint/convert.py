@@ -4,8 +4,8 @@
   pickle (``.metadata``), which torch's own reader loads; converting is an explicit
   request to trust that directory. Non-tensor entries of DCP (pickled objects) are
   not converted and are reported.
-- ``torch.save`` file -> shardpoint: read with ``torch.load(weights_only=True,
-  mmap=True)`` (the restricted unpickler; tensor bytes stay memory-mapped).
+- ``torch.save`` file -> shardpoint: read with ``torch.load`` and ``weights_only=True,
+  mmap=True`` (the restricted unpickler; tensor bytes stay memory-mapped).
 - shardpoint -> ``torch.save`` file: the whole state is built in memory, because a
   ``torch.save`` file is one pickle of one object.
 """

@@ -245,7 +245,8 @@ def open_hf(source: str | os.PathLike[str]) -> CommittedCheckpoint:
         pickled = sorted(p.name for p in source.glob("*.bin")) if source.is_dir() else []
         hint = (
             f" It holds pickle weights ({pickled[0]}...): pass allow_pickle_weights=True "
-            "(CLI: --allow-pickle-weights) to read them with torch.load(weights_only=True)."
+            "(CLI: --allow-pickle-weights) to read them with torch's restricted unpickler "
+            "(weights_only=True)."
             if pickled
             else ""
         )
@@ -308,7 +309,8 @@ def load_hf(
     Each rank reads only the slices its (DTensor/FSDP2-sharded) parameters hold. Tensors
     stored in another floating dtype are cast. Tied parameters count as present when
     one of them is. ``.bin`` (pickle) weights are refused unless
-    ``allow_pickle_weights=True``, which reads them with ``torch.load(weights_only=True)``.
+    ``allow_pickle_weights=True``, which reads them with torch's restricted unpickler
+    (``weights_only=True``).
 
     >>> model = LlamaForCausalLM(config)            # doctest: +SKIP
     >>> fully_shard(model)                           # doctest: +SKIP
@@ -366,7 +368,7 @@ def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (local.device, local.data_ptr(), tuple(local.shape))
 
 
-def _load_pickle_weights(dests: dict[str, torch.Tensor], source: Path, strict: bool) -> None:
+def _read_pickle_weights(source: Path) -> dict[str, torch.Tensor]:
     files = [source] if source.is_file() else sorted(source.glob("*.bin"))
     if not files:
         raise CheckpointError(f"{source}: no .bin weights here")
@@ -374,6 +376,11 @@ def _load_pickle_weights(dests: dict[str, torch.Tensor], source: Path, strict: b
     for f in files:
         # Restricted unpickler (tensors and plain containers only), memory-mapped.
         stored.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+    return stored
+
+
+def _load_pickle_weights(dests: dict[str, torch.Tensor], source: Path, strict: bool) -> None:
+    stored = _read_pickle_weights(source)
     _check_fit(dests, set(stored), strict, str(source))
     with torch.no_grad():
         for name, dest in dests.items():
@@ -387,13 +394,21 @@ def _load_pickle_weights(dests: dict[str, torch.Tensor], source: Path, strict: b
 
 
 def import_hf(
-    source: str | os.PathLike[str], out: str | os.PathLike[str], **save_options: Any
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    allow_pickle_weights: bool = False,
+    **save_options: Any,
 ) -> SaveInfo:
     """Make a shardpoint checkpoint of a Hugging Face layout's tensors.
 
     The source files are memory-mapped, so their pages stream through the page cache
-    into the new checkpoint instead of being loaded into process memory.
+    into the new checkpoint instead of being loaded into process memory. ``.bin``
+    weights need ``allow_pickle_weights=True`` (see ``load_hf``).
     """
+    source = Path(source)
+    if allow_pickle_weights and not _has_safetensors(source):
+        return save(_read_pickle_weights(source), out, **save_options)
     ckpt = open_hf(source)
     maps: list[mmap.mmap] = []
     tensors: dict[str, torch.Tensor] = {}
