@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +41,18 @@ def train(run_dir: Path, steps: int, save_every: int, *extra: str) -> subprocess
         *extra,
     ]
     print(f"$ {' '.join(cmd[1:])}", flush=True)
-    done = subprocess.run(cmd, text=True, capture_output=True)
+    # Own session, output to files: a run killed on purpose leaves DataLoader workers
+    # behind for a while, and they must neither hold our pipes open nor outlive the demo.
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True)
+        code = proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out.seek(0)
+        err.seek(0)
+        done = subprocess.CompletedProcess(cmd, code, out.read().decode(), err.read().decode())
     for line in done.stdout.splitlines():
         print(f"    {line}")
     if done.returncode not in (0, -9):

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,12 +24,25 @@ pytestmark = pytest.mark.slow
 
 
 def train(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), "--run-dir", str(run_dir), *ARGS, *extra],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """Run the example in its own session; output goes to files, not pipes.
+
+    A run SIGKILLed on purpose leaves its DataLoader workers orphaned until their
+    watchdog notices (minutes, seen in CI): with pipes they would hold the output open
+    and stall the test, so the session's leftovers are killed when the run ends.
+    """
+    args = [sys.executable, str(SCRIPT), "--run-dir", str(run_dir), *ARGS, *extra]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(args, stdout=out, stderr=err, start_new_session=True)
+        try:
+            code = proc.wait(timeout=300)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(args, code, out.read().decode(), err.read().decode())
 
 
 @pytest.fixture(scope="module")
