@@ -9,6 +9,7 @@ import torch
 import shardpoint
 from shardpoint import CheckpointManager, RetentionPolicy
 from shardpoint.checkpoint_dir import delete_checkpoint
+from shardpoint.storage.local import LocalDirectory
 from shardpoint.format.index import MARKER_NAME
 
 
@@ -132,13 +133,13 @@ def test_retention_policy_never_drops_the_newest():
 
 
 def test_a_crash_during_retention_never_leaves_zero_valid_checkpoints(tmp_path, monkeypatch):
-    import shardpoint.training.manager as mod
+    import shardpoint.training.tiers as mod
 
     m = _manager(tmp_path, every_n_steps=1, keep_last=1)
     m.save(1, _state(1))
 
-    def crash_after_marker(path):
-        (path / MARKER_NAME).unlink()  # the first thing deletion does, then the "crash"
+    def crash_after_marker(storage):
+        storage.delete(MARKER_NAME)  # the first thing deletion does, then the "crash"
         raise KeyboardInterrupt
 
     monkeypatch.setattr(mod, "delete_checkpoint", crash_after_marker)
@@ -164,7 +165,7 @@ def test_leftovers_of_a_crashed_save_are_removed_at_start(tmp_path):
 def test_delete_checkpoint_keeps_foreign_files(tmp_path):
     shardpoint.save(_state(1), tmp_path / "c")
     (tmp_path / "c" / "notes.txt").write_text("mine")
-    delete_checkpoint(tmp_path / "c")
+    delete_checkpoint(LocalDirectory(tmp_path / "c"))
     assert [p.name for p in (tmp_path / "c").iterdir()] == ["notes.txt"]
 
 

@@ -29,9 +29,10 @@ from .tree import Stateful  # noqa: E402
 from .verify import FileReport, VerifyReport, verify  # noqa: E402
 
 
-def open(path: str) -> CheckpointReader:  # noqa: A001 - the contract name is `shardpoint.open`
-    """Open a committed checkpoint for lazy reads; use it as a context manager."""
-    return CheckpointReader(path)
+def open(path: str, storage_options: dict | None = None) -> CheckpointReader:  # noqa: A001
+    """Open a committed checkpoint (directory or URL) for lazy reads; use it as a
+    context manager. (The contract name is ``shardpoint.open``.)"""
+    return CheckpointReader(path, storage_options)
 
 
 __all__ = [

@@ -28,6 +28,7 @@ import torch
 import xxhash
 
 from . import dist
+from .errors import CheckpointError
 from .format.index import checksum
 from .format.safetensors import itemsize
 from .gc_pause import gc_paused
@@ -45,6 +46,7 @@ from .saving import (
     remove_own,
 )
 from .staging import SLOT_BYTES, Slot, StagingPool
+from .storage import is_url
 from .storage.local import ALIGN, LocalDirectory, open_for_write, pwrite_all
 
 _SMALL_COPY = 65536  # below this numpy copies faster than torch's dispatch
@@ -134,6 +136,11 @@ class AsyncSaver:
             busy = self._in_flight is not None and not self._in_flight.done()
             if dist.max_of([int(busy)])[0]:
                 return None
+        if is_url(path):
+            raise CheckpointError(
+                f"{path}: background saves write to a local directory; for an object store "
+                "use CheckpointManager(directory, remote=URL), which uploads in the background"
+            )
         self.wait()
         start = time.perf_counter()
         plan = plan_save(state, LocalDirectory(path), group=dist.background_group(), to_host=False)
@@ -426,7 +433,7 @@ class _Persist:
             for f in self.files:
                 os.close(f.fd)
         if self.error is not None:
-            remove_own(self.plan.storage.root, list(self._by_name), remove_directory=False)
+            remove_own(self.plan.storage, list(self._by_name), remove_directory=False)
             return WriteResult(error=self.error)
         return WriteResult(
             {f.shard.name: f.shard.size for f in self.files},

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 from .format.index import (
@@ -22,12 +22,12 @@ from .format.index import (
     parse_index,
 )
 from .format.safetensors import Header, header_length, parse_header
-from .storage.local import LocalDirectory, fsync_directory
+from .storage import CheckpointStorage, open_storage
 
 
 @dataclass
 class CommittedCheckpoint:
-    storage: LocalDirectory
+    storage: CheckpointStorage
     index: Index
     _headers: dict[str, Header] = field(default_factory=dict)
     chunks_by_file: dict[str, list[tuple[TensorEntry, Chunk]]] = field(default_factory=dict)
@@ -39,7 +39,7 @@ class CommittedCheckpoint:
 
     @property
     def where(self) -> str:
-        return str(self.storage.root)
+        return self.storage.where
 
     def header(self, file: str) -> Header:
         """Parse ``file``'s safetensors header once and check it agrees with the index."""
@@ -54,49 +54,53 @@ class CommittedCheckpoint:
                     or (header.data_start + slot.begin, header.data_start + slot.end)
                     != (c.begin, c.end)
                 ):
+                    where = self.storage.location(file)
                     raise CorruptCheckpointError(
-                        f"{self.storage.path(file)}: its header does not match {INDEX_NAME} for "
+                        f"{where}: its header does not match {INDEX_NAME} for "
                         f"{entry.name!r} (shard replaced or index from another checkpoint)"
                     )
             self._headers[file] = header
         return self._headers[file]
 
 
-def read_header(storage: LocalDirectory, file: str) -> Header:
-    path = storage.path(file)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        n = header_length(f.read(8), size, str(path))
-        return parse_header(f.read(n), size, str(path))
+def read_header(storage: CheckpointStorage, file: str) -> Header:
+    where = storage.location(file)
+    size = storage.size(file)
+    if size is None:
+        raise CorruptCheckpointError(f"{where}: shard file is missing")
+    n = header_length(storage.read_range(file, 0, 8), size, where)
+    return parse_header(storage.read_range(file, 8, 8 + n), size, where)
 
 
-def open_committed(path: str | os.PathLike[str]) -> CommittedCheckpoint:
+def open_committed(
+    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> CommittedCheckpoint:
     """Open a committed checkpoint, or raise the typed error that says what is wrong."""
-    storage = LocalDirectory(path)
-    if not storage.root.is_dir():
+    storage = open_storage(path, storage_options)
+    if not storage.exists():
         raise IncompleteCheckpointError(
-            f"{storage.root}: no such checkpoint directory; check the path"
+            f"{storage.where}: no such checkpoint directory; check the path"
         )
     marker = storage.read_small(MARKER_NAME)
     if marker is None:
         raise IncompleteCheckpointError(
-            f"{storage.root}: no commit marker ({MARKER_NAME}), so this is not a committed "
+            f"{storage.where}: no commit marker ({MARKER_NAME}), so this is not a committed "
             "checkpoint (the save did not finish); load an earlier checkpoint"
         )
     raw = storage.read_small(INDEX_NAME)
     if raw is None:
         raise CorruptCheckpointError(
-            f"{storage.root / INDEX_NAME}: missing although the checkpoint was committed; "
+            f"{storage.location(INDEX_NAME)}: missing although the checkpoint was committed; "
             "the checkpoint is damaged, load an earlier one"
         )
-    check_marker(marker, raw, str(storage.root / MARKER_NAME))
-    index = parse_index(raw, str(storage.root / INDEX_NAME))
+    check_marker(marker, raw, storage.location(MARKER_NAME))
+    index = parse_index(raw, storage.location(INDEX_NAME))
     for name, size in index.files.items():
         actual = storage.size(name)
         if actual != size:
             state = "is missing" if actual is None else f"has {actual} bytes, expected {size}"
             raise CorruptCheckpointError(
-                f"{storage.path(name)}: shard file {state}; the checkpoint is damaged, "
+                f"{storage.location(name)}: shard file {state}; the checkpoint is damaged, "
                 "load an earlier one"
             )
     return CommittedCheckpoint(storage, index)
@@ -106,23 +110,21 @@ def open_committed(path: str | os.PathLike[str]) -> CommittedCheckpoint:
 OWN_FILE = re.compile(r"^(index\.json|COMMITTED|rank\d{5}-\d{5}\.safetensors)(\.tmp)?$")
 
 
-def foreign_files(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if not OWN_FILE.match(p.name))
+def foreign_files(storage: CheckpointStorage) -> list[str]:
+    return [name for name in storage.list() if not OWN_FILE.match(name)]
 
 
-def delete_checkpoint(root: Path) -> None:
+def delete_checkpoint(storage: CheckpointStorage) -> None:
     """Remove a checkpoint directory, commit marker first.
 
     Once the marker is gone no reader takes the directory for a checkpoint, so a crash
     halfway leaves an uncommitted leftover, never a damaged "valid" checkpoint. Files
     that are not shardpoint's are left alone (and keep the directory).
     """
-    marker = root / MARKER_NAME
-    if marker.exists():
-        marker.unlink()
-        fsync_directory(root)
-    for p in root.iterdir():
-        if OWN_FILE.match(p.name):
-            p.unlink()
-    if not any(root.iterdir()):
-        root.rmdir()
+    if storage.size(MARKER_NAME) is not None:
+        storage.delete(MARKER_NAME)
+        storage.sync()
+    for name in storage.list():
+        if OWN_FILE.match(name):
+            storage.delete(name)
+    storage.remove_if_empty()

@@ -26,6 +26,7 @@ from .checkpoint_dir import OWN_FILE, delete_checkpoint, open_committed
 from .errors import CheckpointError
 from .format.index import MARKER_NAME
 from .reader import CheckpointReader
+from .storage import open_storage
 from .verify import verify
 
 EXAMPLES = {
@@ -432,7 +433,7 @@ def _prune(args: argparse.Namespace) -> int:
     keep = {r["path"] for r in committed[-args.keep_last :]}
     delete = [r for r in committed if r["path"] not in keep]
     for r in delete if not args.dry_run else []:
-        delete_checkpoint(Path(r["path"]))
+        delete_checkpoint(open_storage(r["path"]))
     doc = {
         "dry_run": args.dry_run,
         "deleted": [r["path"] for r in delete],

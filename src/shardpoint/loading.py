@@ -36,8 +36,10 @@ def load(
     strict: bool = True,
     verify: bool = True,
     threads: int = DEFAULT_THREADS,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
-    """Load the checkpoint at ``path`` into ``state`` in place.
+    """Load the checkpoint at ``path`` (a directory or an object-store URL) into
+    ``state`` in place.
 
     Tensors in ``state`` are filled in place; ``Stateful`` objects get
     ``load_state_dict`` with their stored state; other values in mappings and lists are
@@ -51,7 +53,7 @@ def load(
     >>> state["step"], state["w"].tolist()
     (7, [1.0, 1.0])
     """
-    ckpt = open_committed(path)
+    ckpt = open_committed(path, storage_options)
     m = match(state, ckpt.index.tree)
     problems = []
     if strict and m.missing:
@@ -229,7 +231,7 @@ def _verify_blocks(ckpt: CommittedCheckpoint, p: _Pending, segment: Segment) -> 
         if checksum(data[i * step : (i + 1) * step]) != p.chunk.checksums[block]:
             lo, hi = p.chunk.block_span(block)
             raise CorruptCheckpointError(
-                f"{ckpt.storage.path(p.chunk.file)}: checksum mismatch in {p.entry.name!r} "
+                f"{ckpt.storage.location(p.chunk.file)}: checksum mismatch in {p.entry.name!r} "
                 f"(bytes {lo}-{hi}); the file is corrupt, load an earlier checkpoint"
             )
 

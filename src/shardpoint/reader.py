@@ -24,9 +24,11 @@ class CheckpointReader:
     (['w'], [1.0, 1.0], [1.0])
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._ckpt = open_committed(path)
-        self.path = self._ckpt.storage.root
+    def __init__(
+        self, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+    ) -> None:
+        self._ckpt = open_committed(path, storage_options)
+        self.path = self._ckpt.storage.root  # a Path, or the URL
 
     @property
     def metadata(self) -> dict[str, Any]:

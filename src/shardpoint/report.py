@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
+from .storage.local import LocalDirectory
 from .training.manager import EventLog
 
 
@@ -15,7 +16,7 @@ def save_report(directory: Path, out: Path | None = None) -> dict[str, Any]:
     log = directory / "events.jsonl"
     if not log.exists():
         raise CheckpointError(f"{log}: no event log here; point to a CheckpointManager directory")
-    events = EventLog(log).read()
+    events = EventLog(LocalDirectory(directory)).read()
     saves = [e for e in events if e.get("event") == "save"]
 
     def stats(key: str) -> dict[str, float]:

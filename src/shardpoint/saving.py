@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import __version__, dist
-from .checkpoint_dir import foreign_files
+from .checkpoint_dir import OWN_FILE
 from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
 from .format.index import (
     INDEX_NAME,
@@ -36,7 +36,8 @@ from .format.safetensors import PAGE, TensorSlot, dtype_name, encode_header, ite
 from .gc_pause import gc_paused
 from .parallel import map_batched
 from .plan import Holding, Piece, plan_writes
-from .storage.local import ZERO_COPY_MIN_BYTES, LocalDirectory, Segment, fsync_directory
+from .storage import CheckpointStorage, open_storage
+from .storage.local import ZERO_COPY_MIN_BYTES, Segment
 from .tensor_kinds import local_part, may_be_replicated
 from .tensor_memory import flat_bytes, host_contiguous, plain
 from .tree import flatten, merge_trees
@@ -50,7 +51,7 @@ SHARD_METADATA = {"format": "pt"}  # what the Hugging Face loaders expect in eac
 class SaveInfo:
     """What a save wrote."""
 
-    path: Path
+    path: Path | str  # a local path, or the URL
     files: int
     tensors: int
     bytes_written: int
@@ -70,6 +71,7 @@ def save(
     max_shard_size: int = DEFAULT_MAX_SHARD_BYTES,
     threads: int = DEFAULT_THREADS,
     metadata: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> SaveInfo:
     """Save ``state`` as a committed checkpoint directory at ``path``.
 
@@ -82,13 +84,16 @@ def save(
     writes only its part (DTensor shards, its share of replicated tensors) to its own
     files, and rank 0 commits once every rank's files are durable.
 
+    ``path`` may be an object-store URL (``s3://bucket/run/step-100``); see
+    docs/storage.md for credentials, endpoints and ``storage_options``.
+
     >>> import torch, shardpoint
     >>> info = shardpoint.save({"w": torch.ones(2), "step": 7}, "/tmp/sp-doc/ckpt")
     >>> info.tensors
     1
     """
     start = time.perf_counter()
-    plan = plan_save(state, LocalDirectory(path))
+    plan = plan_save(state, open_storage(path, storage_options))
     result = WriteResult()
     try:
         shards = lay_out(plan, max_shard_size, zero_copy=True)
@@ -102,7 +107,7 @@ def save(
 class SavePlan:
     """What this rank writes for one save, agreed with every other rank."""
 
-    storage: LocalDirectory
+    storage: CheckpointStorage
     rank: int
     tree: Any  # the merged non-tensor tree of all ranks
     gathered: list[dict[str, Any]]  # every rank's structure, for the index
@@ -122,7 +127,7 @@ class WriteResult:
 
 
 def plan_save(
-    state: Any, storage: LocalDirectory, *, group: Any = None, to_host: bool = True
+    state: Any, storage: CheckpointStorage, *, group: Any = None, to_host: bool = True
 ) -> SavePlan:
     """Flatten ``state``, prepare the directory (rank 0) and agree on who writes what.
 
@@ -143,7 +148,7 @@ def plan_save(
         tree_here = flat.tree
         holdings, aliases, local = _holdings(flat.tensors, to_host)
         if me == 0:
-            _prepare_directory(storage.root)
+            _prepare_directory(storage)
     except CheckpointError as exc:
         own_error = exc
     sole = [h for h in holdings if not h.replicated]
@@ -161,7 +166,7 @@ def plan_save(
         raise own_error
     failed = [g["error"] for g in gathered if g["error"]]
     if failed:
-        raise CheckpointError(f"{storage.root}: another rank could not save: {failed[0]}")
+        raise CheckpointError(f"{storage.where}: another rank could not save: {failed[0]}")
     replicated = [[Holding.from_json(h) for h in g["replicated"]] for g in gathered]
     plan = plan_writes([g["sole_bytes"] for g in gathered], replicated)
     mine = [Piece(h.name, h.offsets, h.shape, me, h) for h in sole]
@@ -199,10 +204,10 @@ def commit(
             try:
                 index_bytes = _index(plan.tree, plan.gathered, results, metadata).to_json()
                 storage.write_small_durably(INDEX_NAME, index_bytes)
-                fsync_directory(storage.root)
+                storage.sync()
                 storage.write_small_durably(MARKER_NAME, marker_json(index_bytes))
-                fsync_directory(storage.root)
-            except OSError as exc:
+                storage.sync()
+            except Exception as exc:  # OSError locally; the object store's errors too
                 outcome = f"rank 0 (commit): {exc}"
         written = sum(sum(r["files"].values()) for r in results)
         files = sum(len(r["files"]) for r in results)
@@ -213,12 +218,12 @@ def commit(
         # Only rank 0 may remove the shared directory: another rank's files may still be
         # in flight when a fast-failing rank gets here.
         remove_own(
-            storage.root,
+            storage,
             [*result.files, *((INDEX_NAME, MARKER_NAME) if me == 0 else ())],
             remove_directory=me == 0,
         )
         raise CheckpointError(
-            f"{storage.root}: writing the checkpoint failed ({outcome}); nothing was committed "
+            f"{storage.where}: writing the checkpoint failed ({outcome}); nothing was committed "
             "and earlier checkpoints are untouched. Free disk space or fix permissions, "
             "then save again."
         )
@@ -293,7 +298,7 @@ def chunk_records(placed: list[_Placed], checksums: list[list[str]]) -> list[dic
     ]
 
 
-def _write_shards(storage: LocalDirectory, shards: list[ShardFile], threads: int) -> WriteResult:
+def _write_shards(storage: CheckpointStorage, shards: list[ShardFile], threads: int) -> WriteResult:
     """Write this rank's files straight from tensor memory; checksums beside the writes."""
     to_write: dict[str, tuple[int, list[Segment]]] = {
         f.name: (f.size, [Segment(0, f.header), *(Segment(p.begin, p.raw) for p in f.placed)])
@@ -314,7 +319,7 @@ def _write_shards(storage: LocalDirectory, shards: list[ShardFile], threads: int
             storage.write_files(to_write, threads=threads)
             sums = digests()
         except Exception:  # whatever failed, none of this rank's files may stay behind
-            remove_own(storage.root, to_write, remove_directory=False)
+            remove_own(storage, to_write, remove_directory=False)
             raise
     return WriteResult({f.name: f.size for f in shards}, chunk_records(placed, sums))
 
@@ -471,47 +476,47 @@ def _pack(
     return files
 
 
-def _prepare_directory(root: Path) -> None:
-    """Create ``root``; clear what a crashed save left there; never touch a committed checkpoint."""
-    if (root / MARKER_NAME).exists():
-        raise CheckpointExistsError(
-            f"{root}: a committed checkpoint already exists here; checkpoints are never "
-            "modified in place. Save to a new path or delete this one first."
-        )
-    if root.exists():
-        if not root.is_dir():
-            raise CheckpointError(f"{root}: exists and is not a directory; choose another path")
-        foreign = foreign_files(root)
+def _prepare_directory(storage: CheckpointStorage) -> None:
+    """Create the directory; clear what a crashed save left there; never touch a
+    committed checkpoint or anything that is not a checkpoint file."""
+    where = storage.where
+    try:
+        if storage.size(MARKER_NAME) is not None:
+            raise CheckpointExistsError(
+                f"{where}: a committed checkpoint already exists here; checkpoints are never "
+                "modified in place. Save to a new path or delete this one first."
+            )
+        names = storage.list()
+        foreign = [n for n in names if not OWN_FILE.match(n)]
         if foreign:
             raise CheckpointError(
-                f"{root}: directory holds files that are not from an unfinished shardpoint save "
+                f"{where}: holds files that are not from an unfinished shardpoint save "
                 f"({foreign[:3]}); save to an empty or new directory"
             )
-    try:
-        if root.exists():
-            for p in root.iterdir():  # leftovers of a crashed save, never committed
-                p.unlink()
-        root.mkdir(parents=True, exist_ok=True)
-        fsync_directory(root.parent)
-    except OSError as exc:
-        remove_own(root, [], remove_directory=True)  # rank 0, before any rank writes
+        for name in names:  # leftovers of a crashed save, never committed
+            storage.delete(name)
+        storage.prepare()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # OSError locally; the object store's errors too
+        remove_own(storage, [], remove_directory=True)  # rank 0, before any rank writes
         raise CheckpointError(
-            f"{root}: cannot prepare the checkpoint directory ({exc}); nothing was written "
+            f"{where}: cannot prepare the checkpoint directory ({exc}); nothing was written "
             "and earlier checkpoints are untouched. Check free space and permissions."
         ) from exc
 
 
-def remove_own(root: Path, names: Iterable[str], *, remove_directory: bool) -> None:
+def remove_own(storage: CheckpointStorage, names: Iterable[str], *, remove_directory: bool) -> None:
     """Remove what this rank wrote for a failed save: it leaves no trace to mistake.
 
     An empty directory left behind (another rank still cleaning up) has no marker, is
     not a checkpoint, and is cleared by the next save or CheckpointManager start.
     """
     for name in names:
-        for leftover in (root / name, root / f"{name}.tmp"):
-            leftover.unlink(missing_ok=True)
+        for leftover in (name, f"{name}.tmp"):
+            try:
+                storage.delete(leftover)
+            except Exception:  # best effort: the save already failed, say why it did
+                pass
     if remove_directory:
-        try:
-            root.rmdir()  # only succeeds when nothing else is in the directory
-        except OSError:
-            pass
+        storage.remove_if_empty()

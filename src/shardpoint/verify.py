@@ -11,6 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -18,6 +19,7 @@ from .checkpoint_dir import CommittedCheckpoint, open_committed
 from .errors import CheckpointError
 from .format.index import INDEX_NAME
 from .saving import DEFAULT_THREADS
+from .storage import is_url
 
 _BLOCK = 8 * 1024 * 1024
 
@@ -36,7 +38,7 @@ class FileReport:
 
 @dataclass
 class VerifyReport:
-    path: Path
+    path: Path | str  # a local path, or the URL
     files: list[FileReport] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # problems with the checkpoint as a whole
 
@@ -55,6 +57,7 @@ def verify(
     *,
     threads: int = DEFAULT_THREADS,
     progress: Callable[[int], None] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> VerifyReport:
     """Check the marker, index, every shard header and every chunk checksum.
 
@@ -65,9 +68,9 @@ def verify(
     >>> shardpoint.verify("/tmp/sp-doc/ckpt").ok
     True
     """
-    report = VerifyReport(Path(path))
+    report = VerifyReport(path if is_url(path) else Path(path))
     try:
-        ckpt = open_committed(path)
+        ckpt = open_committed(path, storage_options)
     except CheckpointError as exc:
         report.errors.append(str(exc))
         return report
@@ -85,42 +88,39 @@ def _verify_file(
     blocks = [(*c.block_span(i), d, c.key) for c in chunks for i, d in enumerate(c.checksums)]
     try:
         ckpt.header(name)
-        _check_blocks(ckpt.storage.path(name), blocks, report, progress)
+        _check_blocks(ckpt, name, blocks, report, progress)
     except (CheckpointError, OSError) as exc:
         report.errors.append(str(exc))
     return report
 
 
 def _check_blocks(
-    path: Path,
+    ckpt: CommittedCheckpoint,
+    name: str,
     blocks: list[tuple[int, int, str, str]],
     report: FileReport,
     progress: Callable[[int], None] | None,
 ) -> None:
     """Stream the file once, feeding each block of it to the checksum ranges it overlaps."""
+    path = ckpt.storage.location(name)
     blocks = sorted(blocks)
     hashers = [xxhash.xxh3_64() for _ in blocks]
     first = 0  # ranges before this one are complete
-    buf = bytearray(_BLOCK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        pos = 0
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            lo, hi = pos, pos + n
-            i = first
-            while i < len(blocks) and blocks[i][0] < hi:
-                a, b = max(blocks[i][0], lo), min(blocks[i][1], hi)
-                if a < b:
-                    hashers[i].update(view[a - lo : b - lo])
-                i += 1
-            while first < len(blocks) and blocks[first][1] <= hi:
-                first += 1
-            pos = hi
-            if progress:
-                progress(n)
+    pos = 0
+    for view in ckpt.storage.iter_bytes(name, _BLOCK):
+        n = len(view)
+        lo, hi = pos, pos + n
+        i = first
+        while i < len(blocks) and blocks[i][0] < hi:
+            a, b = max(blocks[i][0], lo), min(blocks[i][1], hi)
+            if a < b:
+                hashers[i].update(view[a - lo : b - lo])
+            i += 1
+        while first < len(blocks) and blocks[first][1] <= hi:
+            first += 1
+        pos = hi
+        if progress:
+            progress(n)
     for (lo, hi, digest, key), h in zip(blocks, hashers):
         if h.hexdigest() != digest:
             report.errors.append(

@@ -16,6 +16,7 @@ import bisect
 import errno
 import mmap
 import os
+import shutil
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -185,6 +186,73 @@ class LocalDirectory:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+
+    @property
+    def where(self) -> str:
+        return str(self.root)
+
+    def location(self, name: str) -> str:
+        return str(self.path(name))
+
+    def exists(self) -> bool:
+        return self.root.is_dir()
+
+    def list(self) -> list[str]:
+        """File names in the directory (none if it does not exist)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if not p.is_dir())
+
+    def subdirectories(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+
+    def read_range(self, name: str, lo: int, hi: int) -> bytes:
+        fd = os.open(self.path(name), os.O_RDONLY)
+        try:
+            buf = bytearray(hi - lo)
+            n = _pread_into(fd, memoryview(buf), lo)
+            return bytes(buf[:n])
+        finally:
+            os.close(fd)
+
+    def iter_bytes(self, name: str, block: int) -> Iterator[memoryview]:
+        """The file in blocks; each view is valid until the next one is taken."""
+        buf = bytearray(block)
+        view = memoryview(buf)
+        with open(self.path(name), "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                yield view[:n]
+
+    def delete(self, name: str) -> None:
+        self.path(name).unlink(missing_ok=True)
+
+    def put_file(self, name: str, source: os.PathLike[str], threads: int) -> None:
+        """Copy a file in, durably (a local "remote" tier, e.g. a mounted file system)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, self.path(name))
+        fd = os.open(self.path(name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def prepare(self) -> None:
+        """Create the directory and make its entry durable in the parent."""
+        if self.root.exists() and not self.root.is_dir():
+            raise NotADirectoryError(f"{self.root}: exists and is not a directory")
+        self.root.mkdir(parents=True, exist_ok=True)
+        fsync_directory(self.root.parent)
+
+    def sync(self) -> None:
+        fsync_directory(self.root)
+
+    def remove_if_empty(self) -> None:
+        try:
+            self.root.rmdir()  # only succeeds when nothing else is in the directory
+        except OSError:
+            pass
 
     def path(self, name: str) -> Path:
         """The path of file ``name``, refusing anything that escapes the directory."""

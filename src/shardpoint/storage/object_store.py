@@ -71,6 +71,7 @@ class ObjectStoreDirectory:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
+        self.root = self.url
         scheme, rest = self.url.split("://", 1)
         bucket, _, self.prefix = rest.partition("/")
         if not bucket:
@@ -124,6 +125,18 @@ class ObjectStoreDirectory:
     def write_small_durably(self, name: str, data: bytes) -> None:
         """One PUT: S3 makes an object visible whole or not at all."""
         self.obs.put(self.store, self._key(name), data, use_multipart=False)
+
+    def put_file(self, name: str, path: os.PathLike[str], threads: int) -> None:
+        """Upload a local file (parallel multipart; aborted on failure)."""
+        from pathlib import Path
+
+        self.obs.put(
+            self.store,
+            self._key(name),
+            Path(path),
+            chunk_size=PART_BYTES,
+            max_concurrency=max(threads, 1),
+        )
 
     def delete(self, name: str) -> None:
         try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -20,7 +19,6 @@ from typing import Any
 
 from .. import dist
 from ..background_save import AsyncSave, AsyncSaver
-from ..checkpoint_dir import delete_checkpoint, foreign_files
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -31,28 +29,37 @@ from ..format.index import MARKER_NAME
 from ..loading import load
 from ..reader import CheckpointReader
 from ..saving import DEFAULT_MAX_SHARD_BYTES, DEFAULT_THREADS, SaveInfo, save
+from ..storage import CheckpointStorage
+from ..storage.local import LocalDirectory
 from .retention import KeptCheckpoint, RetentionPolicy
-
-_STEP_DIR = re.compile(r"^step-(\d{9,})$")
+from .tiers import CheckpointTier, Uploader
 
 
 class EventLog:
-    """Append-only JSON lines: one object per save, restore, fallback, deletion, signal."""
+    """JSON lines: one object per save, upload, restore, fallback, deletion, signal.
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    Appended to a local file; on an object store (no append) the object is rewritten.
+    """
+
+    NAME = "events.jsonl"
+
+    def __init__(self, storage: CheckpointStorage) -> None:
+        self.storage = storage
         self._lock = threading.Lock()
 
     def write(self, event: str, **fields: Any) -> None:
-        record = {"event": event, "time": round(time.time(), 3), **fields}
-        with self._lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        line = json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n"
+        with self._lock:
+            if isinstance(self.storage, LocalDirectory):
+                with open(self.storage.path(self.NAME), "a", encoding="utf-8") as f:
+                    f.write(line)
+            else:
+                old = self.storage.read_small(self.NAME) or b""
+                self.storage.write_small_durably(self.NAME, old + line.encode())
 
     def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with open(self.path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+        raw = self.storage.read_small(self.NAME) or b""
+        return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
 
 
 class CheckpointManager:
@@ -70,6 +77,13 @@ class CheckpointManager:
     checksum while loading; ``"fast"`` checks marker, index, file sizes and headers.
     ``preemption_signals`` (default SIGTERM) make the next ``maybe_save`` save at once
     and then set ``should_stop``.
+
+    ``directory`` may be an object-store URL. With ``remote=URL`` the manager is tiered:
+    checkpoints go to the fast local ``directory`` and a background thread uploads each
+    committed one to ``remote`` (newest first; ``remote_keep_last`` is the remote
+    retention); ``restore`` prefers a valid local copy and falls back to the remote one;
+    ``close()`` waits for the upload of the newest checkpoint. ``storage_options`` go to
+    the object-store client.
 
     ``async_save=True`` returns from a save once the state is staged and writes it in
     the background (``AsyncSaver``; ``staging_pool_bytes`` and ``if_busy`` are its
@@ -96,13 +110,16 @@ class CheckpointManager:
         async_save: bool = False,
         staging_pool_bytes: int | None = None,
         if_busy: str = "wait",
+        remote: str | None = None,
+        remote_keep_last: int | None = 10,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         if verify not in ("full", "fast"):
             raise ValueError("verify must be 'full' or 'fast'")
         if keep_best and not best_metric:
             raise ValueError("keep_best needs best_metric: the metrics key to rank checkpoints by")
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.tier = CheckpointTier(directory, storage_options)
+        self.directory = self.tier.storage.root  # a Path, or the URL
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.policy = RetentionPolicy(keep_last, keep_every_n_steps, keep_best, best_mode)
@@ -110,7 +127,9 @@ class CheckpointManager:
         self.verify = verify
         self.max_shard_size = max_shard_size
         self.threads = threads
-        self.events = EventLog(self.directory / "events.jsonl")
+        self.events = EventLog(self.tier.storage)
+        self.remote = CheckpointTier(remote, storage_options) if remote else None
+        self.remote_policy = RetentionPolicy(remote_keep_last, keep_every_n_steps, None, "min")
         self._saver = (
             AsyncSaver(
                 pool_bytes=staging_pool_bytes,
@@ -127,32 +146,36 @@ class CheckpointManager:
         self._stop = False
         self._previous_handlers: dict[int, Any] = {}
         self._install_handlers(preemption_signals)
+        self._uploader: Uploader | None = None
         if dist.rank() == 0:
             self._remove_leftovers()
+            if self.remote is not None:
+                # One uploader (rank 0) copies the whole checkpoint: the local tier must
+                # be one directory every rank writes to (docs/storage.md).
+                self._uploader = Uploader(
+                    self.tier, self.remote, self.events.write, self._apply_remote_retention, threads
+                )
+                self._uploader.notify()  # an upload a crash interrupted restarts now
 
     # ---- where checkpoints live ---------------------------------------------------------
 
-    def path_for(self, step: int) -> Path:
-        return self.directory / f"step-{step:09d}"
-
-    def _step_dirs(self) -> dict[int, Path]:
-        out = {}
-        for p in self.directory.iterdir():
-            m = _STEP_DIR.match(p.name)
-            if m and p.is_dir():
-                out[int(m.group(1))] = p
-        return out
+    def path_for(self, step: int) -> Any:
+        return self.tier.path_for(step)
 
     def steps(self) -> list[int]:
         """Steps of committed checkpoints, oldest first (committed, not necessarily valid)."""
-        return sorted(s for s, p in self._step_dirs().items() if (p / MARKER_NAME).exists())
+        return self.tier.steps()
+
+    def remote_steps(self) -> list[int]:
+        """Steps committed on the remote tier (empty without one)."""
+        return self.remote.steps() if self.remote is not None else []
 
     def _remove_leftovers(self) -> None:
-        """Delete step directories a crashed save (or deletion) left without a marker."""
-        for step, path in self._step_dirs().items():
-            if not (path / MARKER_NAME).exists() and not foreign_files(path):
-                delete_checkpoint(path)
-                self.events.write("cleanup", step=step, path=str(path))
+        """Delete step directories a crashed save, upload or deletion left without a marker."""
+        for tier in (self.tier, self.remote):
+            for step in tier.leftovers() if tier is not None else []:
+                tier.delete(step)
+                self.events.write("cleanup", step=step, path=str(tier.path_for(step)))
 
     # ---- restore --------------------------------------------------------------------------
 
@@ -163,8 +186,15 @@ class CheckpointManager:
         previous one is tried. ``StateMismatchError`` (the state does not fit) is raised:
         an older checkpoint would not fit either.
         """
-        for step in reversed(self.steps()):
-            path = self.path_for(step)
+        local = set(self.steps())
+        remote = set(self.remote_steps())
+        candidates = [
+            (step, tier.path_for(step))
+            for step in sorted(local | remote, reverse=True)
+            for tier, has in ((self.tier, local), (self.remote, remote))
+            if tier is not None and step in has
+        ]
+        for step, path in candidates:
             start = time.perf_counter()
             mismatch: StateMismatchError | None = None
             error = None
@@ -183,7 +213,7 @@ class CheckpointManager:
             if errors:
                 warnings.warn(
                     f"checkpoint at step {step} is not usable ({errors[0]}); falling back to "
-                    "the previous checkpoint",
+                    "the next copy or the previous checkpoint",
                     stacklevel=2,
                 )
                 self._log("fallback", step=step, path=str(path), error=errors[0])
@@ -283,6 +313,8 @@ class CheckpointManager:
         )
         if dist.rank() == 0:
             self._apply_retention()
+            if self._uploader is not None:
+                self._uploader.notify(step)
 
     def _wait_for_background(self) -> None:
         """Finish the background save in flight; raises its error."""
@@ -313,8 +345,21 @@ class CheckpointManager:
         keep = self.policy.keep(candidates)
         for c in candidates:
             if c.step not in keep:
-                delete_checkpoint(self.path_for(c.step))
+                self.tier.delete(c.step)
                 self._log("delete", step=c.step, path=str(self.path_for(c.step)))
+
+    def _apply_remote_retention(self) -> None:
+        assert self.remote is not None
+        steps = self.remote.steps()
+        keep = self.remote_policy.keep([KeptCheckpoint(s, None) for s in steps])
+        for step in steps:
+            if step not in keep:
+                self.remote.delete(step)
+                self._log("delete", step=step, path=str(self.remote.path_for(step)), tier="remote")
+
+    def wait_for_uploads(self, timeout: float | None = None) -> bool:
+        """Block until the remote tier holds the newest local checkpoint; False on timeout."""
+        return self._uploader.flush(timeout) if self._uploader is not None else True
 
     # ---- preemption ---------------------------------------------------------------------------
 
@@ -354,6 +399,8 @@ class CheckpointManager:
         signal handlers that were installed before this manager."""
         try:
             self._wait_for_background()
+            if self._uploader is not None:
+                self._uploader.close()  # the newest checkpoint reaches the remote tier
         finally:
             for sig, handler in self._previous_handlers.items():
                 signal.signal(sig, handler)
