@@ -9,8 +9,8 @@ import torch
 import shardpoint
 from shardpoint import CheckpointManager, RetentionPolicy
 from shardpoint.checkpoint_dir import delete_checkpoint
-from shardpoint.storage.local import LocalDirectory
 from shardpoint.format.index import MARKER_NAME
+from shardpoint.storage.local import LocalDirectory
 
 
 def _state(value: float) -> dict:
