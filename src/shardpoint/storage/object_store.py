@@ -52,7 +52,9 @@ def _obstore() -> Any:
 
 def _store(bucket_url: str, options: dict[str, Any]) -> Any:
     """One client per bucket and options: connections are pooled inside it."""
-    key = (bucket_url, repr(sorted(options.items())))
+    # The environment is part of the key: it says which endpoint and credentials apply.
+    env = os.environ.get("AWS_ENDPOINT_URL", "")
+    key = (bucket_url, repr(sorted(options.items())) + env)
     if key not in _STORES:
         from obstore.store import from_url
 

@@ -25,7 +25,6 @@ from ..errors import (
     IncompleteCheckpointError,
     StateMismatchError,
 )
-from ..format.index import MARKER_NAME
 from ..loading import load
 from ..reader import CheckpointReader
 from ..saving import DEFAULT_MAX_SHARD_BYTES, DEFAULT_THREADS, SaveInfo, save
@@ -266,7 +265,7 @@ class CheckpointManager:
         preempting = self._signal is not None
         if self._saver is not None and (preempting or self._saving_to == path):
             self._wait_for_background()  # the final save must not race the one in flight
-        if (path / MARKER_NAME).exists():
+        if self.tier.committed(step):
             self._after_save()
             return None
         metadata = {"step": step, "metrics": dict(metrics or {})}

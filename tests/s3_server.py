@@ -1,0 +1,97 @@
+"""A real S3-API server on 127.0.0.1 for the tests (moto's standalone server), and a
+proxy in front of it that counts the bytes it serves and can inject faults: 500/503
+responses and connections dropped without an answer."""
+
+from __future__ import annotations
+
+import http.client
+import random
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def start_moto() -> tuple[object, str]:
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    return server, f"http://{host}:{port}"
+
+
+class FaultProxy:
+    """HTTP proxy to ``upstream``. ``fault_rate`` of requests fail: half answered with
+    500/503, half with the connection closed before any answer."""
+
+    def __init__(self, upstream: str, fault_rate: float = 0.0, seed: int = 0) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self.fault_rate = fault_rate
+        self.random = random.Random(seed)
+        self.lock = threading.Lock()
+        self.bytes_served = 0  # response bodies of GETs
+        self.faults = 0
+        self.requests = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _handle(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                with proxy.lock:
+                    proxy.requests += 1
+                    roll = proxy.random.random()
+                    fault = roll < proxy.fault_rate
+                    if fault:
+                        proxy.faults += 1
+                if fault and roll < proxy.fault_rate / 2:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)  # dropped, no answer
+                    return
+                if fault:
+                    payload = b"<Error><Code>SlowDown</Code></Error>"
+                    self.send_response(proxy.random.choice([500, 503]))
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers["Host"] = f"{proxy.upstream[0]}:{proxy.upstream[1]}"
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                if self.command == "GET":
+                    with proxy.lock:
+                        proxy.bytes_served += len(data)
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                size = resp.getheader("Content-Length") if self.command == "HEAD" else len(data)
+                self.send_header("Content-Length", str(size))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,333 @@
+"""Checkpoints on an S3-API object store: a real server (moto) on 127.0.0.1, started here.
+
+Round trips through save/load/open/verify, multi-rank saves, ranged resharding reads,
+the manager on a URL, faults injected by a proxy (500/503, dropped connections), and
+the tiered manager (local + remote) including a SIGKILL during an upload.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+
+import pytest
+import torch
+
+import shardpoint
+from shardpoint import CheckpointError, CheckpointManager, CorruptCheckpointError
+from shardpoint.format.index import MARKER_NAME
+
+pytest.importorskip("moto")
+pytest.importorskip("obstore")
+from s3_server import FaultProxy, start_moto  # noqa: E402
+
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_REGION": "us-east-1",
+}
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    server, endpoint = start_moto()
+    yield endpoint
+    server.stop()
+
+
+@pytest.fixture
+def s3(moto_endpoint, monkeypatch):
+    """A fresh bucket; the standard AWS_* variables point every client at the server."""
+    for k, v in {**CREDENTIALS, "AWS_ENDPOINT_URL": moto_endpoint}.items():
+        monkeypatch.setenv(k, v)
+    import boto3
+
+    bucket = f"t{uuid.uuid4().hex[:16]}"
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=bucket)
+    return {"url": f"s3://{bucket}", "bucket": bucket, "client": client}
+
+
+def _uploads_in_progress(s3) -> list:
+    return s3["client"].list_multipart_uploads(Bucket=s3["bucket"]).get("Uploads", [])
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "big": torch.randn(5_000, 1_000, generator=g),  # 20 MB: a multipart upload
+        "small": {str(i): torch.randn(33, generator=g) for i in range(20)},
+        "half": torch.randn(7, 3, generator=g).half(),
+        "step": seed,
+    }
+
+
+def _zeros(state: dict) -> dict:
+    return {
+        k: _zeros(v)
+        if isinstance(v, dict)
+        else torch.zeros_like(v)
+        if isinstance(v, torch.Tensor)
+        else 0
+        for k, v in state.items()
+    }
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all(
+        _equal(a[k], b[k])
+        if isinstance(a[k], dict)
+        else torch.equal(a[k], b[k])
+        if isinstance(a[k], torch.Tensor)
+        else a[k] == b[k]
+        for k in a
+    )
+
+
+def test_save_load_open_verify_round_trip_on_s3(s3):
+    url = f"{s3['url']}/run/step-1"
+    state = _state(1)
+    info = shardpoint.save(state, url)
+    assert info.path == url and info.tensors == 22
+    loaded = _zeros(state)
+    shardpoint.load(loaded, url)
+    assert _equal(loaded, state)
+    with shardpoint.open(url) as r:
+        assert torch.equal(r.get_slice("big")[100:110], state["big"][100:110])
+        assert r.metadata["world_size"] == 1
+    assert shardpoint.verify(url).ok
+    assert _uploads_in_progress(s3) == []
+    with pytest.raises(shardpoint.CheckpointExistsError):
+        shardpoint.save(state, url)
+
+
+def test_corrupt_and_uncommitted_checkpoints_on_s3_are_typed_errors(s3):
+    url = f"{s3['url']}/c"
+    shardpoint.save(_state(2), url)
+    key = "c/rank00000-00000.safetensors"
+    body = bytearray(s3["client"].get_object(Bucket=s3["bucket"], Key=key)["Body"].read())
+    body[-5] ^= 0xFF
+    s3["client"].put_object(Bucket=s3["bucket"], Key=key, Body=bytes(body))
+    report = shardpoint.verify(url)
+    assert not report.ok and "checksum mismatch" in report.files[0].errors[0]
+    with pytest.raises(CorruptCheckpointError, match=key.split("/")[1]):
+        shardpoint.load(_zeros(_state(2)), url)
+    s3["client"].delete_object(Bucket=s3["bucket"], Key=f"c/{MARKER_NAME}")
+    with pytest.raises(shardpoint.IncompleteCheckpointError, match="no commit marker"):
+        shardpoint.load(_zeros(_state(2)), url)
+    with pytest.raises(shardpoint.IncompleteCheckpointError, match="no such checkpoint"):
+        shardpoint.load(_zeros(_state(2)), f"{s3['url']}/nothing-here")
+
+
+def test_unknown_url_schemes_are_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="unsupported URL scheme"):
+        shardpoint.save({"w": torch.ones(1)}, "ftp://host/x")
+    shardpoint.save({"w": torch.ones(1)}, f"file://{tmp_path}/ckpt")
+    assert shardpoint.verify(tmp_path / "ckpt").ok
+
+
+# ---- many ranks, partial reads ------------------------------------------------------------
+
+
+def _save_two_ranks(rank: int, world: int, url: str) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(4000 * 500, dtype=torch.float32).reshape(4000, 500)
+    state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "shared": torch.ones(1000), "step": 3}
+    shardpoint.save(state, url)
+
+
+def test_two_ranks_save_to_s3_and_a_partial_load_reads_only_its_rows(s3, monkeypatch):
+    from distributed import run_ranks
+
+    url = f"{s3['url']}/dist"
+    run_ranks(2, _save_two_ranks, url)
+    with shardpoint.open(url) as r:
+        assert r.metadata["world_size"] == 2 and len(r.entry("w").chunks) == 2
+    proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        with shardpoint.open(url) as r:
+            rows = r.get_slice("w", verify=False)[1000:1100]
+        assert torch.equal(rows[:, 0], torch.arange(1000, 1100, dtype=torch.float32) * 500)
+        needed = 100 * 500 * 4
+        # Served: the rows, plus index, marker and the two shard headers.
+        assert needed <= proxy.bytes_served <= needed + 64 * 1024, proxy.bytes_served
+    finally:
+        proxy.close()
+
+
+# ---- faults -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_saves_and_loads_survive_injected_500s_503s_and_dropped_connections(s3, monkeypatch, seed):
+    proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"], fault_rate=0.15, seed=seed)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        url = f"{s3['url']}/faulty-{seed}"
+        state = _state(seed)
+        try:
+            shardpoint.save(state, url)
+            committed = True
+        except CheckpointError:
+            committed = False  # allowed, but then nothing may be visible
+        loaded = _zeros(state)
+        if committed:
+            shardpoint.load(loaded, url)  # retried reads; every checksum verified
+            assert _equal(loaded, state)
+        else:
+            with pytest.raises(shardpoint.IncompleteCheckpointError):
+                shardpoint.load(loaded, url)
+        assert proxy.faults > 0, "no fault was injected"
+    finally:
+        proxy.close()
+        monkeypatch.undo()
+    assert _uploads_in_progress(s3) == []  # a failed multipart upload is aborted
+
+
+def test_a_save_that_cannot_reach_the_store_fails_without_committing(s3, monkeypatch):
+    proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"], fault_rate=1.0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    opts = {
+        "retry_config": {
+            "max_retries": 2,
+            "retry_timeout": __import__("datetime").timedelta(seconds=5),
+        }
+    }
+    try:
+        with pytest.raises(CheckpointError):
+            shardpoint.save(_state(1), f"{s3['url']}/down", storage_options=opts)
+    finally:
+        proxy.close()
+    monkeypatch.undo()
+    listed = s3["client"].list_objects_v2(Bucket=s3["bucket"], Prefix="down/")
+    assert "Contents" not in listed or all(
+        not o["Key"].endswith(MARKER_NAME) for o in listed["Contents"]
+    )
+
+
+# ---- the manager on a URL, and tiered --------------------------------------------------------
+
+
+def test_manager_on_an_s3_url_saves_lists_retains_and_restores(s3):
+    url = f"{s3['url']}/mgr"
+    manager = CheckpointManager(url, every_n_steps=1, keep_last=2, preemption_signals=())
+    for step in (1, 2, 3):
+        manager.save(step, _state(step))
+    assert manager.steps() == [2, 3]
+    assert [e["event"] for e in manager.events.read()].count("save") == 3
+    manager.close()
+    restored = _zeros(_state(0))
+    assert CheckpointManager(url, preemption_signals=()).restore(restored) == 3
+    assert _equal(restored, _state(3))
+
+
+def _tiered(tmp_path, s3, **kwargs) -> CheckpointManager:
+    return CheckpointManager(
+        tmp_path / "local",
+        remote=f"{s3['url']}/remote",
+        every_n_steps=1,
+        keep_last=1,
+        remote_keep_last=2,
+        preemption_signals=(),
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_tiered_manager_uploads_in_the_background_with_its_own_retention(tmp_path, s3, async_save):
+    manager = _tiered(tmp_path, s3, async_save=async_save)
+    for step in (1, 2, 3):
+        manager.save(step, _state(step))
+        manager.wait()
+        manager.wait_for_uploads()
+    manager.close()
+    assert manager.steps() == [3]  # keep 1 locally
+    assert manager.remote_steps() == [2, 3]  # keep 2 remotely
+    uploads = [e for e in manager.events.read() if e["event"] == "upload"]
+    assert [e["step"] for e in uploads] == [1, 2, 3]
+    assert all(e["bytes"] > 20e6 and e["lag_seconds"] >= e["seconds"] for e in uploads)
+
+
+def test_a_replaced_node_restores_from_the_remote_tier(tmp_path, s3):
+    manager = _tiered(tmp_path, s3)
+    manager.save(1, _state(1))
+    manager.close()
+    import shutil
+
+    shutil.rmtree(tmp_path / "local")  # a new machine: empty local disk
+    restored = _zeros(_state(0))
+    fresh = _tiered(tmp_path, s3)
+    assert fresh.restore(restored) == 1 and _equal(restored, _state(1))
+    fresh.close()
+
+
+def test_a_corrupt_local_copy_falls_back_to_the_remote_copy_of_the_same_step(tmp_path, s3):
+    manager = _tiered(tmp_path, s3)
+    manager.save(1, _state(1))
+    manager.close()
+    (shard,) = (tmp_path / "local" / "step-000000001").glob("*.safetensors")
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0xFF
+    shard.write_bytes(raw)
+    restored = _zeros(_state(0))
+    fresh = _tiered(tmp_path, s3)
+    with pytest.warns(UserWarning, match="not usable"):
+        assert fresh.restore(restored) == 1
+    assert _equal(restored, _state(1))
+    fallback = [e for e in fresh.events.read() if e["event"] == "fallback"]
+    assert fallback and "local" in fallback[-1]["path"]
+    fresh.close()
+
+
+def _upload_then_die(local: str, remote: str, env: dict, kill_after_puts: int) -> None:
+    os.environ.update(env)
+    import shardpoint.storage.object_store as store
+
+    manager = CheckpointManager(
+        local, remote=remote, every_n_steps=1, preemption_signals=(), max_shard_size=4000
+    )
+    real_put = store.ObjectStoreDirectory.put_file
+    count = [0]
+
+    def put_file(self, name, path, threads):  # noqa: ANN001, ANN202
+        count[0] += 1
+        if count[0] > kill_after_puts:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_put(self, name, path, threads)
+
+    store.ObjectStoreDirectory.put_file = put_file
+    manager.save(1, {"a": torch.ones(1000), "b": torch.zeros(10)}, force=True)
+    manager.wait_for_uploads()
+    os._exit(0)
+
+
+def test_sigkill_during_an_upload_never_shows_a_partial_remote_checkpoint(tmp_path, s3):
+    local, remote = str(tmp_path / "local"), f"{s3['url']}/remote"
+    env = {k: os.environ[k] for k in (*CREDENTIALS, "AWS_ENDPOINT_URL")}
+    # A fresh interpreter, not fork: the object-store client's runtime threads do not
+    # survive a fork.
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(
+        target=_upload_then_die, args=(local, remote, env, 1)
+    )
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == -signal.SIGKILL, child.exitcode
+    from shardpoint.training.tiers import CheckpointTier
+
+    remote_tier = CheckpointTier(remote, None)
+    assert remote_tier.step_dirs() == [1]  # one shard file made it up...
+    assert remote_tier.steps() == []  # ...but nothing is visible as a checkpoint
+    restarted = CheckpointManager(local, remote=remote, preemption_signals=())
+    assert restarted.steps() == [1]  # the local commit happened before the upload
+    restarted.wait_for_uploads()  # the interrupted upload starts again at start-up
+    assert restarted.remote_steps() == [1]
+    restored = {"a": torch.zeros(1000), "b": torch.ones(10)}
+    shardpoint.load(restored, f"{remote}/step-000000001")
+    assert torch.equal(restored["a"], torch.ones(1000))
+    restarted.close()
