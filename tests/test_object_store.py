@@ -331,3 +331,22 @@ def test_sigkill_during_an_upload_never_shows_a_partial_remote_checkpoint(tmp_pa
     shardpoint.load(restored, f"{remote}/step-000000001")
     assert torch.equal(restored["a"], torch.ones(1000))
     restarted.close()
+
+
+def test_the_command_line_accepts_object_store_urls(s3, capsys):
+    import json
+
+    from shardpoint.cli import main
+
+    url = f"{s3['url']}/cli"
+    manager = CheckpointManager(url, every_n_steps=1, preemption_signals=())
+    for step in (1, 2):
+        manager.save(step, {"w": torch.full((3,), float(step)), "step": step})
+    manager.close()
+    assert main(["ls", url, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["status"]) for r in rows] == [(1, "valid"), (2, "valid")]
+    assert main(["verify", url]) == 0
+    assert main(["inspect", f"{url}/step-000000002"]) == 0
+    assert "step = 2" in capsys.readouterr().out
+    assert main(["diff", f"{url}/step-000000001", f"{url}/step-000000002"]) == 1

@@ -26,7 +26,7 @@ from .checkpoint_dir import OWN_FILE, delete_checkpoint, open_committed
 from .errors import CheckpointError
 from .format.index import MARKER_NAME
 from .reader import CheckpointReader
-from .storage import open_storage
+from .storage import join, open_storage
 from .verify import verify
 
 EXAMPLES = {
@@ -87,33 +87,41 @@ def _print_json(value: Any) -> None:
 # ---- ls -----------------------------------------------------------------------------------
 
 
-def _checkpoint_dirs(root: Path) -> list[Path]:
-    """``root`` itself if it is a checkpoint, else its subdirectories that look like one."""
+def _checkpoint_dirs(root: str) -> list[str]:
+    """``root`` itself if it is a checkpoint, else its subdirectories that look like one
+    (local paths or object-store URLs)."""
     if _looks_like_checkpoint(root):
         return [root]
-    if not root.is_dir():
+    storage = open_storage(root)
+    if not storage.exists():
         raise CheckpointError(f"{root}: no such directory")
-    dirs = [p for p in root.iterdir() if p.is_dir() and _looks_like_checkpoint(p)]
-    return sorted(dirs, key=lambda p: (_step_of(p) is None, _step_of(p) or 0, p.name))
+    subs = [str(join(root, name)) for name in storage.subdirectories()]
+    dirs = [p for p in subs if _looks_like_checkpoint(p)]
+    return sorted(dirs, key=lambda p: (_step_of(p) is None, _step_of(p) or 0, p))
 
 
-def _looks_like_checkpoint(p: Path) -> bool:
-    return p.is_dir() and any(OWN_FILE.match(f.name) for f in p.iterdir())
+def _looks_like_checkpoint(path: str) -> bool:
+    return any(OWN_FILE.match(name) for name in open_storage(path).list())
 
 
-def _step_of(p: Path) -> int | None:
-    m = _STEP_DIR.match(p.name)
+def _name(path: str) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def _step_of(path: str) -> int | None:
+    m = _STEP_DIR.match(_name(path))
     return int(m.group(1)) if m else None
 
 
-def _describe(p: Path) -> dict[str, Any]:
-    row: dict[str, Any] = {"path": str(p), "step": _step_of(p), "status": "valid", "error": None}
-    if not (p / MARKER_NAME).exists():
+def _describe(path: str) -> dict[str, Any]:
+    row: dict[str, Any] = {"path": path, "step": _step_of(path), "status": "valid", "error": None}
+    storage = open_storage(path)
+    if storage.size(MARKER_NAME) is None:
         row["status"] = "uncommitted"
-        row["size"] = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+        row["size"] = sum(storage.size(name) or 0 for name in storage.list())
         return row
     try:
-        ckpt = open_committed(p)  # marker, index, file sizes: no tensor bytes read
+        ckpt = open_committed(path)  # marker, index, file sizes: no tensor bytes read
     except CheckpointError as exc:
         row.update(status="invalid", error=str(exc))
         return row
@@ -130,7 +138,7 @@ def _describe(p: Path) -> dict[str, Any]:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    rows = [_describe(p) for p in _checkpoint_dirs(Path(args.path))]
+    rows = [_describe(p) for p in _checkpoint_dirs(args.path)]
     if args.json:
         _print_json(rows)
         return 0
@@ -140,7 +148,7 @@ def _ls(args: argparse.Namespace) -> int:
     colour = {"valid": "green", "invalid": "bold red", "uncommitted": "yellow"}
     for r in rows:
         table.add_row(
-            Path(r["path"]).name,
+            _name(r["path"]),
             "" if r["step"] is None else str(r["step"]),
             r.get("created", ""),
             human_bytes(r.get("size", 0)),
@@ -152,7 +160,7 @@ def _ls(args: argparse.Namespace) -> int:
     console.print(table)
     for r in rows:
         if r["error"]:
-            console.print(f"[red]{Path(r['path']).name}[/]: {r['error']}", highlight=False)
+            console.print(f"[red]{_name(r['path'])}[/]: {r['error']}", highlight=False)
     return 0
 
 
@@ -269,8 +277,9 @@ def _jsonable(value: Any) -> Any:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    root = Path(args.path)
-    single = (root / MARKER_NAME).exists() or not root.is_dir() or _looks_like_checkpoint(root)
+    root = args.path
+    storage = open_storage(root)
+    single = not storage.exists() or _looks_like_checkpoint(root)
     paths = [root] if single else _checkpoint_dirs(root)
     if not paths:
         raise CheckpointError(f"{root}: no checkpoints here")
@@ -281,7 +290,7 @@ def _verify(args: argparse.Namespace) -> int:
             total = sum(open_committed(path).index.files.values())
         except CheckpointError:
             pass  # verify() reports the problem below
-        with _progress(total, f"verifying {path.name}") as advance:
+        with _progress(total, f"verifying {_name(path)}") as advance:
             reports.append(verify(path, progress=advance))
     ok = all(r.ok for r in reports)
     if args.json:
@@ -428,7 +437,7 @@ def _report_saved(
 def _prune(args: argparse.Namespace) -> int:
     if args.keep_last < 1:
         raise CheckpointError("--keep-last must be at least 1: prune never deletes them all")
-    rows = [_describe(p) for p in _checkpoint_dirs(Path(args.path))]
+    rows = [_describe(p) for p in _checkpoint_dirs(args.path)]
     committed = [r for r in rows if r["status"] != "uncommitted"]
     keep = {r["path"] for r in committed[-args.keep_last :]}
     delete = [r for r in committed if r["path"] not in keep]
