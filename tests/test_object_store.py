@@ -146,6 +146,11 @@ def test_two_ranks_save_to_s3_and_a_partial_load_reads_only_its_rows(s3, monkeyp
     run_ranks(2, _save_two_ranks, url)
     with shardpoint.open(url) as r:
         assert r.metadata["world_size"] == 2 and len(r.entry("w").chunks) == 2
+    # Resharding 2 -> 1: one process loads both ranks' chunks from the store.
+    whole = {"w": torch.zeros(4000, 500), "shared": torch.zeros(1000), "step": 0}
+    shardpoint.load(whole, url)
+    assert torch.equal(whole["w"], torch.arange(4000 * 500, dtype=torch.float32).reshape(4000, 500))
+    assert torch.equal(whole["shared"], torch.ones(1000)) and whole["step"] == 3
     proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"])
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     try:
