@@ -6,6 +6,7 @@ Side by side in one run, on the same bytes:
   writer/reader (s3fs underneath), thread_count 1 and 4;
   read amplification of a partial load (rows of one tensor), counted by a proxy.
 
+    pip install -e '.[bench-s3]'   # s3fs, for the comparison
     python bench/bench_object_store.py [--mb 256] [--reps 3]
 
 The server is Python (moto): it, not the clients, bounds every figure here, so the

@@ -8,17 +8,39 @@ another process sent.
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+_SOLO = threading.local()  # per thread: act as a job of one process
 _CPU_GROUP: Any = None
 _BACKGROUND_GROUP: Any = None
 
 
 def is_distributed() -> bool:
+    if getattr(_SOLO, "active", False):
+        return False
     return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def solo() -> Iterator[None]:
+    """Within this block (this thread only) the rank saves and loads its own state as a
+    job of one process: no collectives, DTensors stand for their local shards. The
+    memory tier keeps each rank's checkpoint this way."""
+    _SOLO.active = True
+    try:
+        yield
+    finally:
+        _SOLO.active = False
+
+
+def in_solo() -> bool:
+    return bool(getattr(_SOLO, "active", False))
 
 
 def rank() -> int:
@@ -91,6 +113,16 @@ def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
     if not is_distributed():
         return value
     return all_gather_json(value if rank() == src else None, group)[src]
+
+
+def isend_bytes(data: torch.Tensor, dst: int, tag: int) -> Any:
+    """Start sending a uint8 tensor to rank ``dst`` (point to point, CPU group)."""
+    return dist.isend(data, dst=dst, group=_cpu_group(), tag=tag)
+
+
+def irecv_bytes(buffer: torch.Tensor, src: int, tag: int) -> Any:
+    """Start receiving into a uint8 tensor from rank ``src``."""
+    return dist.irecv(buffer, src=src, group=_cpu_group(), tag=tag)
 
 
 def max_of(values: list[int], group: Any = None) -> list[int]:

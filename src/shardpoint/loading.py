@@ -62,10 +62,11 @@ def load(
         problems.append(f"in the checkpoint but not in the state: {_some(m.unexpected)}")
     for name, dest in m.destinations.items():
         entry = ckpt.index.resolve(name)
-        if tuple(dest.shape) != entry.shape or dest.dtype != DTYPES[entry.dtype]:
+        shape = local_part(plain(dest), name)[1]  # global; a rank's own in dist.solo()
+        if tuple(shape) != entry.shape or dest.dtype != DTYPES[entry.dtype]:
             problems.append(
                 f"{name!r}: checkpoint has {entry.dtype}{list(entry.shape)}, state has "
-                f"{dest.dtype}{list(dest.shape)}"
+                f"{dest.dtype}{list(shape)}"
             )
     if problems:
         raise StateMismatchError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import dist
 from .errors import UnsupportedValueError
 
 try:
@@ -26,12 +27,17 @@ def local_part(t: torch.Tensor, name: str) -> tuple[torch.Tensor, tuple[int, ...
     """(local tensor, global shape, offsets of the local tensor in the global one)."""
     if not is_dtensor(t):
         return t, tuple(t.shape), (0,) * t.dim()
+    if dist.in_solo():  # a rank's own checkpoint: the local shard is the whole entry
+        local = _dtensor_part(t, name)[0]
+        return local, tuple(local.shape), (0,) * local.dim()
     return _dtensor_part(t, name)
 
 
 def may_be_replicated(t: torch.Tensor) -> bool:
     """Whether other ranks may hold the same chunk: plain tensors (DDP) and DTensors with a
     ``Replicate`` placement. A DTensor sharded on every mesh dim is unique to its rank."""
+    if dist.in_solo():
+        return False
     return not is_dtensor(t) or any(isinstance(p, Replicate) for p in t.placements)
 
 

@@ -30,6 +30,7 @@ from ..reader import CheckpointReader
 from ..saving import DEFAULT_MAX_SHARD_BYTES, DEFAULT_THREADS, SaveInfo, save
 from ..storage import CheckpointStorage
 from ..storage.local import LocalDirectory
+from .memory_tier import MemoryTier
 from .retention import KeptCheckpoint, RetentionPolicy
 from .tiers import CheckpointTier, Uploader
 
@@ -84,6 +85,11 @@ class CheckpointManager:
     ``close()`` waits for the upload of the newest checkpoint. ``storage_options`` go to
     the object-store client.
 
+    ``memory_every_n_steps`` adds the in-memory tier (``MemoryTier``, docs/memory.md):
+    every that many steps each rank keeps its state in host shared memory and on
+    ``memory_replicas`` buddy ranks of other nodes; ``restore`` uses it when it holds
+    the newest step every rank can recover, without reading the disk.
+
     ``async_save=True`` returns from a save once the state is staged and writes it in
     the background (``AsyncSaver``; ``staging_pool_bytes`` and ``if_busy`` are its
     options). Retention and the event log entry follow the commit. A preemption save
@@ -112,6 +118,10 @@ class CheckpointManager:
         remote: str | None = None,
         remote_keep_last: int | None = 10,
         storage_options: dict[str, Any] | None = None,
+        memory_every_n_steps: int | None = None,
+        memory_job: str | None = None,
+        memory_replicas: int = 1,
+        memory_max_bytes: int | None = None,
     ) -> None:
         if verify not in ("full", "fast"):
             raise ValueError("verify must be 'full' or 'fast'")
@@ -129,6 +139,16 @@ class CheckpointManager:
         self.events = EventLog(self.tier.storage)
         self.remote = CheckpointTier(remote, storage_options) if remote else None
         self.remote_policy = RetentionPolicy(remote_keep_last, keep_every_n_steps, None, "min")
+        self.memory_every_n_steps = memory_every_n_steps
+        self.memory = (
+            MemoryTier(
+                memory_job or _job_name(self.directory),
+                replicas=memory_replicas,
+                max_bytes=memory_max_bytes,
+            )
+            if memory_every_n_steps
+            else None
+        )
         self._saver = (
             AsyncSaver(
                 pool_bytes=staging_pool_bytes,
@@ -187,6 +207,23 @@ class CheckpointManager:
         """
         local = set(self.steps())
         remote = set(self.remote_steps())
+        if self.memory is not None:
+            in_memory = self.memory.newest_step()  # collective: ranks agree on it
+            if in_memory is not None and in_memory >= max(local | remote, default=-1):
+                start = time.perf_counter()
+                try:
+                    self.memory.restore(state, in_memory)
+                    self._log(
+                        "restore",
+                        step=in_memory,
+                        tier="memory",
+                        bytes_from_buddies=self.memory.bytes_received,
+                        seconds=round(time.perf_counter() - start, 4),
+                    )
+                    return in_memory
+                except CorruptCheckpointError as exc:
+                    warnings.warn(f"{exc}; restoring from storage instead", stacklevel=2)
+                    self._log("fallback", step=in_memory, tier="memory", error=str(exc))
         candidates = [
             (step, tier.path_for(step))
             for step in sorted(local | remote, reverse=True)
@@ -246,8 +283,19 @@ class CheckpointManager:
         return bool(due_by_time)
 
     def maybe_save(self, step: int, state: Any, *, metrics: dict[str, float] | None = None) -> bool:
-        """Save if the interval rules (or a preemption signal) say so; True if it saved."""
+        """Save if the interval rules (or a preemption signal) say so; True if it saved.
+        With the memory tier, also keep the state in memory every
+        ``memory_every_n_steps`` steps."""
+        if self.memory is not None and step % (self.memory_every_n_steps or 1) == 0:
+            self.save_to_memory(step, state)
         return self.save(step, state, metrics=metrics) is not None
+
+    def save_to_memory(self, step: int, state: Any) -> None:
+        """Collective: keep ``state`` in this node's memory and on the buddies'."""
+        assert self.memory is not None, "no memory tier: pass memory_every_n_steps"
+        start = time.perf_counter()
+        self.memory.save(step, state)
+        self._log("memory_save", step=step, seconds=round(time.perf_counter() - start, 4))
 
     def save(
         self, step: int, state: Any, *, force: bool = False, metrics: dict[str, float] | None = None
@@ -393,9 +441,13 @@ class CheckpointManager:
         convention schedulers and wrappers read as "terminated by a signal, requeue"."""
         return 128 + self._signal if self._signal is not None else 0
 
-    def close(self) -> None:
+    def close(self, *, release_memory: bool = False) -> None:
         """Finish the background save in flight (raising its error) and restore the
-        signal handlers that were installed before this manager."""
+        signal handlers that were installed before this manager. ``release_memory``
+        frees the memory tier (at the clean end of training; a job that will be
+        restarted keeps it)."""
+        if self.memory is not None:
+            self.memory.close(release=release_memory)
         try:
             self._wait_for_background()
             if self._uploader is not None:
@@ -412,3 +464,10 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _job_name(directory: Any) -> str:
+    """A memory-tier namespace derived from the checkpoint directory."""
+    import hashlib
+
+    return "job-" + hashlib.sha256(str(directory).encode()).hexdigest()[:16]

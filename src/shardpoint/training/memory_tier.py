@@ -1,0 +1,278 @@
+"""In-memory checkpoint tier: every rank's latest checkpoint in host shared memory,
+with a copy on a buddy rank of another node.
+
+Each rank saves its own state as a one-process checkpoint (DTensors as their local
+shards) into a tmpfs directory, ``$SHARDPOINT_SHM_DIR`` (default
+``/dev/shm/shardpoint``) / job / ``own`` / rank / step: it outlives a crashed process,
+so a restart on the same node finds it. The files then go over ``torch.distributed``
+to ``replicas`` buddy ranks on other nodes (rank + k * ranks_per_node), which keep them
+under ``replica``. Every copy is an ordinary checkpoint: marker last, checksums on
+every block, verified when loaded.
+
+Survives: any process crash; the loss of one node per replica group (its ranks pull
+their files back from buddies). Does not survive: losing a node together with all its
+buddies, or every node (then the disk and remote tiers are used).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import dist
+from ..checkpoint_dir import OWN_FILE
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ..format.index import INDEX_NAME, MARKER_NAME
+from ..loading import load
+from ..saving import save
+from ..tree import flatten
+
+DEFAULT_ROOT = "/dev/shm/shardpoint"
+STALE_AFTER_SECONDS = 24 * 3600
+
+
+class MemoryTier:
+    """The newest checkpoints of this rank (and replicas of its buddies') in shared memory.
+
+    ``job`` names the run (one namespace per job on a node); ``max_bytes`` bounds what
+    one rank keeps (its own copy plus the replicas it holds): a save over budget is
+    skipped with an error. ``close(release=True)`` frees the memory on a clean exit.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        root: str | os.PathLike[str] | None = None,
+        replicas: int = 1,
+        ranks_per_node: int | None = None,
+        keep: int = 1,
+        max_bytes: int | None = None,
+    ) -> None:
+        self.base = Path(root or os.environ.get("SHARDPOINT_SHM_DIR", DEFAULT_ROOT)) / job
+        self.rank, self.world = dist.rank(), dist.world_size()
+        self.per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        nodes = max(self.world // max(self.per_node, 1), 1)
+        self.replicas = min(replicas, nodes - 1)
+        self.keep = keep
+        self.max_bytes = max_bytes
+        self.bytes_received = 0  # over torch.distributed by the last restore (for tests)
+        self.base.mkdir(parents=True, exist_ok=True)
+        _remove_stale_jobs(self.base.parent, keep=self.base)
+
+    # ---- layout ------------------------------------------------------------------------
+
+    def own_dir(self, step: int, rank: int | None = None) -> Path:
+        return self.base / "own" / f"rank{self.rank if rank is None else rank:05d}" / _step(step)
+
+    def replica_dir(self, rank: int, step: int) -> Path:
+        return self.base / "replica" / f"rank{rank:05d}" / _step(step)
+
+    def buddies(self, rank: int) -> list[int]:
+        return [(rank + k * self.per_node) % self.world for k in range(1, self.replicas + 1)]
+
+    def _committed_steps(self, parent: Path) -> dict[int, dict[str, int]]:
+        """step -> {file: size} of committed copies under ``parent``."""
+        out: dict[int, dict[str, int]] = {}
+        for d in parent.glob("step-*") if parent.is_dir() else []:
+            if (d / MARKER_NAME).exists():
+                out[int(d.name[5:])] = {p.name: p.stat().st_size for p in d.iterdir()}
+        return out
+
+    # ---- save -----------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any) -> None:
+        """Collective: every rank keeps its state in memory and sends it to its buddies."""
+        error = None
+        try:
+            self._check_budget(state)
+            target = self.own_dir(step)
+            if target.exists():
+                shutil.rmtree(target)  # a crashed earlier attempt at this step
+            with dist.solo():
+                save(state, target, metadata=self._identity(step))
+        except CheckpointError as exc:
+            error = f"rank {self.rank}: {exc}"
+        manifests = dist.all_gather_json(
+            {"error": error, "files": _files(self.own_dir(step)) if error is None else {}}
+        )
+        failed = [m["error"] for m in manifests if m["error"]]
+        if failed:
+            shutil.rmtree(self.own_dir(step), ignore_errors=True)
+            raise CheckpointError(f"memory tier save of step {step} failed: {failed[0]}")
+        for k in range(1, self.replicas + 1):
+            to = (self.rank + k * self.per_node) % self.world
+            frm = (self.rank - k * self.per_node) % self.world
+            self._exchange(
+                send=(to, self.own_dir(step)),
+                recv=(frm, manifests[frm]["files"], self.replica_dir(frm, step)),
+            )
+        dist.all_gather_json(None)  # every copy durable in memory before anyone prunes
+        self._prune(step)
+
+    def _check_budget(self, state: Any) -> None:
+        if self.max_bytes is None:
+            return
+        own = sum(t.numel() * t.element_size() for t in flatten(state).tensors.values())
+        if own * (1 + self.replicas) > self.max_bytes:
+            raise CheckpointError(
+                f"memory tier: {own * (1 + self.replicas)} bytes (own copy + {self.replicas} "
+                f"replicas) exceed max_bytes={self.max_bytes}; raise it or lower replicas"
+            )
+
+    def _identity(self, step: int) -> dict[str, Any]:
+        return {"memory_tier": {"rank": self.rank, "world_size": self.world, "step": step}}
+
+    def _exchange(
+        self,
+        send: tuple[int, Path] | None,
+        recv: tuple[int, dict[str, int], Path] | None,
+    ) -> None:
+        """Send one checkpoint's files to a rank and/or receive another's (marker last)."""
+        requests = []
+        if send is not None:
+            to, src = send
+            for i, name in enumerate(_ordered(list(_files(src)))):
+                raw = bytearray((src / name).read_bytes() or b"\0")  # gloo sends >= 1 byte
+                data = torch.frombuffer(raw, dtype=torch.uint8)
+                requests.append(dist.isend_bytes(data, to, tag=i))
+        received: list[tuple[str, torch.Tensor, int]] = []
+        if recv is not None:
+            frm, files, _ = recv
+            for i, name in enumerate(_ordered(list(files))):
+                buf = torch.empty(max(files[name], 1), dtype=torch.uint8)
+                received.append((name, buf, files[name]))
+                requests.append(dist.irecv_bytes(buf, frm, tag=i))
+        for r in requests:
+            r.wait()
+        if recv is not None:
+            target = recv[2]
+            if target.exists():
+                shutil.rmtree(target)
+            target.mkdir(parents=True)
+            for name, buf, size in received:  # _ordered puts index and marker last
+                (target / name).write_bytes(buf[:size].numpy().tobytes())
+                self.bytes_received += size
+
+    def _prune(self, newest: int) -> None:
+        for parent in [self.base / "own" / f"rank{self.rank:05d}", *self._replica_parents()]:
+            steps = sorted(self._committed_steps(parent))
+            for d in parent.glob("step-*") if parent.is_dir() else []:
+                step = int(d.name[5:])
+                if step not in steps[-self.keep :] and step <= newest:
+                    shutil.rmtree(d, ignore_errors=True)
+
+    def _replica_parents(self) -> list[Path]:
+        """The replica directories this rank holds (other ranks of the node hold others)."""
+        held = [(self.rank - k * self.per_node) % self.world for k in range(1, self.replicas + 1)]
+        return [self.base / "replica" / f"rank{r:05d}" for r in held]
+
+    # ---- restore ------------------------------------------------------------------------------
+
+    def newest_step(self) -> int | None:
+        """Collective: the newest step every rank can recover from memory (own or a buddy's)."""
+        self._available = dist.all_gather_json(self._holdings())
+        return _recoverable(self._available, self.world)
+
+    def restore(self, state: Any, step: int) -> None:
+        """Collective: load ``step`` from memory; ranks without their own copy receive it
+        from a buddy first. Raises (on every rank) if any rank cannot load it."""
+        transfers = _transfers(self._available, step, self.world)  # (holder, owner)
+        self.bytes_received = 0
+        for holder, owner in transfers:
+            if self.rank == holder:
+                src = self.replica_dir(owner, step)
+                self._exchange(send=(owner, src), recv=None)
+            if self.rank == owner:
+                files = self._available[holder]["held"][str(owner)][str(step)]
+                self._exchange(send=None, recv=(holder, files, self.own_dir(step)))
+        error = None
+        try:
+            with dist.solo():
+                load(state, self.own_dir(step))
+                meta = load_identity(self.own_dir(step))
+            if meta != {"rank": self.rank, "world_size": self.world, "step": step}:
+                raise CorruptCheckpointError(f"{self.own_dir(step)}: belongs to {meta}")
+        except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+            error = f"rank {self.rank}: {exc}"
+        errors = [e for e in dist.all_gather_json(error) if e]
+        if errors:
+            raise CorruptCheckpointError(f"memory tier step {step} is not usable: {errors[0]}")
+
+    def _holdings(self) -> dict[str, Any]:
+        own = self._committed_steps(self.base / "own" / f"rank{self.rank:05d}")
+        held = {
+            str(int(p.name[4:])): {str(s): f for s, f in self._committed_steps(p).items()}
+            for p in self._replica_parents()
+        }
+        return {"own": sorted(own), "held": held}
+
+    def close(self, *, release: bool = False) -> None:
+        """``release=True`` (a clean end of training) frees this rank's memory."""
+        if release:
+            shutil.rmtree(self.base / "own" / f"rank{self.rank:05d}", ignore_errors=True)
+            for parent in self._replica_parents():
+                shutil.rmtree(parent, ignore_errors=True)
+
+
+def load_identity(path: Path) -> dict[str, Any]:
+    from ..reader import CheckpointReader
+
+    with CheckpointReader(path) as r:
+        return dict(r.metadata["user"].get("memory_tier", {}))
+
+
+def _recoverable(available: list[dict[str, Any]], world: int) -> int | None:
+    steps = sorted({s for a in available for s in a["own"]}, reverse=True)
+    for step in steps:
+        if all(_source(available, rank, step) is not None for rank in range(world)):
+            return step
+    return None
+
+
+def _source(available: list[dict[str, Any]], rank: int, step: int) -> int | None:
+    """Who can give ``rank`` its copy of ``step``: itself, else the first buddy holding it."""
+    if step in available[rank]["own"]:
+        return rank
+    for holder, a in enumerate(available):
+        if str(step) in a["held"].get(str(rank), {}):
+            return holder
+    return None
+
+
+def _transfers(available: list[dict[str, Any]], step: int, world: int) -> list[tuple[int, int]]:
+    out = []
+    for rank in range(world):
+        source = _source(available, rank, step)
+        if source is not None and source != rank:
+            out.append((source, rank))
+    return out
+
+
+def _files(d: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in d.iterdir() if OWN_FILE.match(p.name)}
+
+
+def _ordered(names: list[str]) -> list[str]:
+    """Shards first, then the index, then the marker: a copy is committed last."""
+    return sorted(names, key=lambda n: (n == MARKER_NAME, n == INDEX_NAME, n))
+
+
+def _step(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def _remove_stale_jobs(root: Path, keep: Path) -> None:
+    """Free the memory of jobs on this node untouched for a day (dead runs)."""
+    now = time.time()
+    for job in root.iterdir() if root.is_dir() else []:
+        if job == keep or not job.is_dir():
+            continue
+        newest = max((p.stat().st_mtime for p in job.rglob("*")), default=job.stat().st_mtime)
+        if now - newest > STALE_AFTER_SECONDS:
+            shutil.rmtree(job, ignore_errors=True)

@@ -1,0 +1,167 @@
+"""The in-memory tier: 2 simulated nodes x 2 ranks (gloo), a separate shared-memory
+directory per node. A replaced node's ranks pull their state from buddies without
+reading the disk tier; a restart on the same nodes restores from its own memory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardpoint
+from shardpoint import CheckpointError, CheckpointManager
+from shardpoint.storage.local import LocalDirectory
+from shardpoint.training.memory_tier import MemoryTier
+
+
+def _state(rank: int, step: int, mesh=None) -> dict:  # noqa: ANN001
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(step)
+    full = torch.randn(400, 10, generator=g)
+    return {
+        "sharded": distribute_tensor(full, mesh, [Shard(0)]),
+        "replicated": torch.randn(50, generator=g),
+        "step": step,
+    }
+
+
+def _template(rank: int, mesh) -> dict:  # noqa: ANN001
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return {
+        "sharded": distribute_tensor(torch.zeros(400, 10), mesh, [Shard(0)]),
+        "replicated": torch.zeros(50),
+        "step": -1,
+    }
+
+
+def _node_env(rank: int, root: str) -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # ranks 0,1 on node 0; ranks 2,3 on node 1
+    os.environ["SHARDPOINT_SHM_DIR"] = str(Path(root) / f"node{rank // 2}")
+
+
+def _manager(root: str) -> CheckpointManager:
+    return CheckpointManager(
+        Path(root) / "disk",
+        every_n_steps=3,
+        memory_every_n_steps=1,
+        memory_job="job",
+        preemption_signals=(),
+    )
+
+
+def _train(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _node_env(rank, root)
+    mesh = init_device_mesh("cpu", (world,))
+    manager = _manager(root)
+    for step in range(1, 6):  # disk: step 3; memory: step 5
+        manager.maybe_save(step, _state(rank, step, mesh))
+    manager.close()
+
+
+def _restore(rank: int, world: int, root: str, expect_from_buddy: list[int]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _node_env(rank, root)
+    mesh = init_device_mesh("cpu", (world,))
+    disk_bytes = [0]
+    real = LocalDirectory.read_ranges
+    disk = str(Path(root) / "disk")
+
+    def counting(self, requests, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        if str(self.root).startswith(disk):
+            disk_bytes[0] += sum(s.end - s.offset for ss in requests.values() for s in ss)
+        return real(self, requests, **kwargs)
+
+    LocalDirectory.read_ranges = counting
+    manager = _manager(root)
+    state = _template(rank, mesh)
+    assert manager.restore(state) == 5
+    expected = _state(rank, 5, mesh)
+    assert torch.equal(state["sharded"].to_local(), expected["sharded"].to_local())
+    assert torch.equal(state["replicated"], expected["replicated"])
+    assert state["step"] == 5
+    assert disk_bytes[0] == 0, disk_bytes  # nothing read from the disk tier
+    assert (manager.memory.bytes_received > 0) == (rank in expect_from_buddy)
+    manager.close()
+
+
+def test_a_replaced_node_restores_from_buddies_and_a_restart_from_its_own_memory(tmp_path):
+    from distributed import run_ranks
+
+    root = str(tmp_path)
+    run_ranks(4, _train, root)
+    assert shardpoint.CheckpointManager(tmp_path / "disk", preemption_signals=()).steps() == [3]
+    shutil.rmtree(tmp_path / "node1")  # node 1 replaced: a machine with empty memory
+    run_ranks(4, _restore, root, [2, 3])
+    # Node 1's memory was refilled by that restore; every process restarts on its node.
+    run_ranks(4, _restore, root, [])
+
+
+def test_without_any_memory_the_disk_tier_is_used(tmp_path):
+    from distributed import run_ranks
+
+    root = str(tmp_path)
+    run_ranks(4, _train, root)
+    shutil.rmtree(tmp_path / "node0")
+    shutil.rmtree(tmp_path / "node1")  # every node lost: memory cannot help
+    run_ranks(4, _restore_from_disk, root)
+
+
+def _restore_from_disk(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _node_env(rank, root)
+    mesh = init_device_mesh("cpu", (world,))
+    manager = _manager(root)
+    state = _template(rank, mesh)
+    assert manager.restore(state) == 3
+    expected = _state(rank, 3, mesh)
+    assert torch.equal(state["sharded"].to_local(), expected["sharded"].to_local())
+    manager.close()
+
+
+def test_a_corrupt_memory_copy_is_never_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDPOINT_SHM_DIR", str(tmp_path / "shm"))
+    manager = CheckpointManager(
+        tmp_path / "disk", every_n_steps=1, memory_every_n_steps=1, preemption_signals=()
+    )
+    manager.maybe_save(1, {"w": torch.ones(1000)})
+    manager.save_to_memory(2, {"w": torch.full((1000,), 2.0)})
+    (shard,) = manager.memory.own_dir(2).glob("*.safetensors")
+    raw = bytearray(shard.read_bytes())
+    raw[-4] ^= 0xFF
+    shard.write_bytes(raw)
+    state = {"w": torch.zeros(1000)}
+    with pytest.warns(UserWarning, match="not usable"):
+        assert manager.restore(state) == 1  # the disk tier's older, intact step
+    assert torch.equal(state["w"], torch.ones(1000))
+
+
+def test_memory_budget_and_release(tmp_path):
+    tier = MemoryTier("job", root=tmp_path, max_bytes=1000)
+    with pytest.raises(CheckpointError, match="exceed max_bytes"):
+        tier.save(1, {"w": torch.zeros(1000)})
+    tier = MemoryTier("job", root=tmp_path, max_bytes=10_000)
+    tier.save(1, {"w": torch.zeros(1000)})
+    tier.save(2, {"w": torch.ones(1000)})
+    assert sorted(p.name for p in tier.own_dir(2).parent.iterdir()) == ["step-000000002"]
+    tier.close(release=True)
+    assert not tier.own_dir(2).exists()
+
+
+def test_stale_jobs_are_freed(tmp_path):
+    stale = tmp_path / "old-job" / "own"
+    stale.mkdir(parents=True)
+    (stale / "x").write_bytes(b"1")
+    os.utime(stale / "x", (0, 0))
+    os.utime(stale, (0, 0))
+    os.utime(tmp_path / "old-job", (0, 0))
+    MemoryTier("new-job", root=tmp_path)
+    assert not (tmp_path / "old-job").exists() and (tmp_path / "new-job").exists()
