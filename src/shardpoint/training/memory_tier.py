@@ -16,6 +16,7 @@ buddies, or every node (then the disk and remote tiers are used).
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import time
@@ -135,11 +136,11 @@ class MemoryTier:
     ) -> None:
         """Send one checkpoint's files to a rank and/or receive another's (marker last)."""
         requests = []
+        maps = []
         if send is not None:
             to, src = send
             for i, name in enumerate(_ordered(list(_files(src)))):
-                raw = bytearray((src / name).read_bytes() or b"\0")  # gloo sends >= 1 byte
-                data = torch.frombuffer(raw, dtype=torch.uint8)
+                data = _file_bytes(src / name, maps)  # mapped from tmpfs: no copy
                 requests.append(dist.isend_bytes(data, to, tag=i))
         received: list[tuple[str, torch.Tensor, int]] = []
         if recv is not None:
@@ -150,13 +151,15 @@ class MemoryTier:
                 requests.append(dist.irecv_bytes(buf, frm, tag=i))
         for r in requests:
             r.wait()
+        maps.clear()
         if recv is not None:
             target = recv[2]
             if target.exists():
                 shutil.rmtree(target)
             target.mkdir(parents=True)
             for name, buf, size in received:  # _ordered puts index and marker last
-                (target / name).write_bytes(buf[:size].numpy().tobytes())
+                with open(target / name, "wb") as f:
+                    f.write(memoryview(buf.numpy())[:size])
                 self.bytes_received += size
 
     def _prune(self, newest: int) -> None:
@@ -218,6 +221,17 @@ class MemoryTier:
             shutil.rmtree(self.base / "own" / f"rank{self.rank:05d}", ignore_errors=True)
             for parent in self._replica_parents():
                 shutil.rmtree(parent, ignore_errors=True)
+
+
+def _file_bytes(path: Path, keep: list[Any]) -> torch.Tensor:
+    """A file's bytes as a uint8 tensor (at least one byte: gloo sends no empty buffers)."""
+    size = path.stat().st_size
+    if size == 0:
+        return torch.zeros(1, dtype=torch.uint8)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    keep.append(mapped)
+    return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
 def load_identity(path: Path) -> dict[str, Any]:
