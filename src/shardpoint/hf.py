@@ -144,7 +144,7 @@ def export_hf(
                 "metadata": {"total_size": total},
                 "weight_map": dict(sorted(weight_map.items())),
             }
-            _write_durably(out / HF_INDEX, json.dumps(index, indent=2).encode())
+            LocalDirectory(out).write_small_durably(HF_INDEX, json.dumps(index, indent=2).encode())
         fsync_directory(out)
     return HFExport(out, names, len(plan), total)
 
@@ -215,15 +215,6 @@ def _write_hf_file(
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    os.replace(tmp, path)
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
