@@ -196,11 +196,12 @@ class MemoryTier:
                 self._exchange(send=None, recv=(holder, files, self.own_dir(step)))
         error = None
         try:
+            # Whose copy it is is checked first: another rank's state never lands in ours.
+            meta = load_identity(self.own_dir(step))
+            if meta != self._identity(step)["memory_tier"]:
+                raise CorruptCheckpointError(f"{self.own_dir(step)}: belongs to {meta}")
             with dist.solo():
                 load(state, self.own_dir(step))
-                meta = load_identity(self.own_dir(step))
-            if meta != {"rank": self.rank, "world_size": self.world, "step": step}:
-                raise CorruptCheckpointError(f"{self.own_dir(step)}: belongs to {meta}")
         except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
             error = f"rank {self.rank}: {exc}"
         errors = [e for e in dist.all_gather_json(error) if e]
