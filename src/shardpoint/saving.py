@@ -227,13 +227,14 @@ def commit(
             "and earlier checkpoints are untouched. Free disk space or fix permissions, "
             "then save again."
         )
+    seconds = time.perf_counter() - start
     return SaveInfo(
         path=storage.root,
         files=files,
         tensors=plan.tensors,
         bytes_written=written,
-        seconds=time.perf_counter() - start,
-        blocked_seconds=time.perf_counter() - start,
+        seconds=seconds,
+        blocked_seconds=seconds,  # a synchronous save blocks for all of it
     )
 
 

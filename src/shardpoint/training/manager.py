@@ -312,7 +312,7 @@ class CheckpointManager:
         path = self.path_for(step)
         preempting = self._signal is not None
         if self._saver is not None and (preempting or self._saving_to == path):
-            self._wait_for_background()  # the final save must not race the one in flight
+            self.wait()  # the final save must not race the one in flight
         if self.tier.committed(step):
             self._after_save()
             return None
@@ -363,15 +363,11 @@ class CheckpointManager:
             if self._uploader is not None:
                 self._uploader.notify(step)
 
-    def _wait_for_background(self) -> None:
-        """Finish the background save in flight; raises its error."""
+    def wait(self) -> None:
+        """Block until the background save in flight (if any) is committed; raises its error."""
         if self._saver is not None:
             self._saving_to = None
             self._saver.wait()
-
-    def wait(self) -> None:
-        """Block until the background save in flight (if any) is committed."""
-        self._wait_for_background()
 
     def _after_save(self) -> None:
         self._last_save = time.monotonic()
@@ -449,7 +445,7 @@ class CheckpointManager:
         if self.memory is not None:
             self.memory.close(release=release_memory)
         try:
-            self._wait_for_background()
+            self.wait()
             if self._uploader is not None:
                 self._uploader.close()  # the newest checkpoint reaches the remote tier
         finally:
