@@ -38,3 +38,27 @@ def read_losses(run_dir: Path) -> dict[int, str]:
         record = json.loads(line)
         out[record["step"]] = record["loss"]
     return out
+
+
+def zeros_like_state(state: dict) -> dict:
+    """A template of ``state``: same nesting, zero tensors, 0 for other values."""
+    return {
+        k: zeros_like_state(v)
+        if isinstance(v, dict)
+        else torch.zeros_like(v)
+        if isinstance(v, torch.Tensor)
+        else 0
+        for k, v in state.items()
+    }
+
+
+def assert_states_equal(a: dict, b: dict) -> None:
+    """Same keys at every level, tensors bit-identical, other values equal."""
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_states_equal(a[k], b[k])
+        elif isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_states_equal, zeros_like_state
 
 import shardpoint
 from shardpoint import AsyncSaver, CheckpointError, CheckpointManager, load, verify
@@ -31,34 +32,12 @@ def _state(seed: int = 0) -> dict:
     }
 
 
-def _zeros_like(state: dict) -> dict:
-    return {
-        k: _zeros_like(v)
-        if isinstance(v, dict)
-        else torch.zeros_like(v)
-        if isinstance(v, torch.Tensor)
-        else 0
-        for k, v in state.items()
-    }
-
-
 def _mutate(state: dict) -> None:
     for v in state.values():
         if isinstance(v, dict):
             _mutate(v)
         elif isinstance(v, torch.Tensor) and v.numel():
             v.add_(1000)
-
-
-def _assert_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], dict):
-            _assert_equal(a[k], b[k])
-        elif isinstance(a[k], torch.Tensor):
-            assert torch.equal(a[k], b[k]), k
-        else:
-            assert a[k] == b[k], k
 
 
 def _clone(state: dict) -> dict:
@@ -79,9 +58,9 @@ def test_written_values_are_the_state_when_async_save_returned(tmp_path, pool_by
     info = handle.wait()
     assert info.tensors == 54 and info.blocked_seconds == handle.stall_seconds
     assert verify(tmp_path / "ckpt").ok  # every checksum, incl. blocks split across slots
-    loaded = _zeros_like(expected)
+    loaded = zeros_like_state(expected)
     load(loaded, tmp_path / "ckpt")
-    _assert_equal(loaded, expected)
+    assert_states_equal(loaded, expected)
     if pool_bytes is not None:
         assert saver.pool.nbytes <= pool_bytes  # the state (40 MB) streamed through
 
@@ -227,7 +206,7 @@ def test_manager_async_saves_commit_log_and_apply_retention(tmp_path):
     saves = [e for e in manager.events.read() if e["event"] == "save"]
     assert [e["step"] for e in saves] == [1, 2, 3, 4]
     assert all(e["blocked_seconds"] <= e["seconds"] for e in saves)
-    restored = _zeros_like(state)
+    restored = zeros_like_state(state)
     assert CheckpointManager(tmp_path, preemption_signals=()).restore(restored) == 4
     assert restored["step"] == 4
 
@@ -314,9 +293,9 @@ def _two_rank_async(rank: int, world: int, root: str, fail_rank: int) -> None:
         assert not (root_path / "ckpt" / MARKER_NAME).exists()
         return
     handle.wait()
-    loaded = _zeros_like(rank_state(rank))
+    loaded = zeros_like_state(rank_state(rank))
     load(loaded, root_path / "ckpt", strict=False)
-    _assert_equal(loaded, rank_state(rank))
+    assert_states_equal(loaded, rank_state(rank))
 
 
 @pytest.mark.parametrize("fail_rank", [-1, 1], ids=["both-finish", "rank-1-fails"])

@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 import torch
+from conftest import assert_states_equal, zeros_like_state
 
 import shardpoint
 from shardpoint import CheckpointError, CheckpointManager, CorruptCheckpointError
@@ -63,36 +64,14 @@ def _state(seed: int = 0) -> dict:
     }
 
 
-def _zeros(state: dict) -> dict:
-    return {
-        k: _zeros(v)
-        if isinstance(v, dict)
-        else torch.zeros_like(v)
-        if isinstance(v, torch.Tensor)
-        else 0
-        for k, v in state.items()
-    }
-
-
-def _equal(a: dict, b: dict) -> bool:
-    return all(
-        _equal(a[k], b[k])
-        if isinstance(a[k], dict)
-        else torch.equal(a[k], b[k])
-        if isinstance(a[k], torch.Tensor)
-        else a[k] == b[k]
-        for k in a
-    )
-
-
 def test_save_load_open_verify_round_trip_on_s3(s3):
     url = f"{s3['url']}/run/step-1"
     state = _state(1)
     info = shardpoint.save(state, url)
     assert info.path == url and info.tensors == 22
-    loaded = _zeros(state)
+    loaded = zeros_like_state(state)
     shardpoint.load(loaded, url)
-    assert _equal(loaded, state)
+    assert_states_equal(loaded, state)
     with shardpoint.open(url) as r:
         assert torch.equal(r.get_slice("big")[100:110], state["big"][100:110])
         assert r.metadata["world_size"] == 1
@@ -112,12 +91,12 @@ def test_corrupt_and_uncommitted_checkpoints_on_s3_are_typed_errors(s3):
     report = shardpoint.verify(url)
     assert not report.ok and "checksum mismatch" in report.files[0].errors[0]
     with pytest.raises(CorruptCheckpointError, match=key.split("/")[1]):
-        shardpoint.load(_zeros(_state(2)), url)
+        shardpoint.load(zeros_like_state(_state(2)), url)
     s3["client"].delete_object(Bucket=s3["bucket"], Key=f"c/{MARKER_NAME}")
     with pytest.raises(shardpoint.IncompleteCheckpointError, match="no commit marker"):
-        shardpoint.load(_zeros(_state(2)), url)
+        shardpoint.load(zeros_like_state(_state(2)), url)
     with pytest.raises(shardpoint.IncompleteCheckpointError, match="no such checkpoint"):
-        shardpoint.load(_zeros(_state(2)), f"{s3['url']}/nothing-here")
+        shardpoint.load(zeros_like_state(_state(2)), f"{s3['url']}/nothing-here")
 
 
 def test_unknown_url_schemes_are_refused(tmp_path):
@@ -179,10 +158,10 @@ def test_saves_and_loads_survive_injected_500s_503s_and_dropped_connections(s3, 
             committed = True
         except CheckpointError:
             committed = False  # allowed, but then nothing may be visible
-        loaded = _zeros(state)
+        loaded = zeros_like_state(state)
         if committed:
             shardpoint.load(loaded, url)  # retried reads; every checksum verified
-            assert _equal(loaded, state)
+            assert_states_equal(loaded, state)
         else:
             with pytest.raises(shardpoint.IncompleteCheckpointError):
                 shardpoint.load(loaded, url)
@@ -225,9 +204,9 @@ def test_manager_on_an_s3_url_saves_lists_retains_and_restores(s3):
     assert manager.steps() == [2, 3]
     assert [e["event"] for e in manager.events.read()].count("save") == 3
     manager.close()
-    restored = _zeros(_state(0))
+    restored = zeros_like_state(_state(0))
     assert CheckpointManager(url, preemption_signals=()).restore(restored) == 3
-    assert _equal(restored, _state(3))
+    assert_states_equal(restored, _state(3))
 
 
 def _tiered(tmp_path, s3, **kwargs) -> CheckpointManager:
@@ -264,9 +243,10 @@ def test_a_replaced_node_restores_from_the_remote_tier(tmp_path, s3):
     import shutil
 
     shutil.rmtree(tmp_path / "local")  # a new machine: empty local disk
-    restored = _zeros(_state(0))
+    restored = zeros_like_state(_state(0))
     fresh = _tiered(tmp_path, s3)
-    assert fresh.restore(restored) == 1 and _equal(restored, _state(1))
+    assert fresh.restore(restored) == 1
+    assert_states_equal(restored, _state(1))
     fresh.close()
 
 
@@ -278,11 +258,11 @@ def test_a_corrupt_local_copy_falls_back_to_the_remote_copy_of_the_same_step(tmp
     raw = bytearray(shard.read_bytes())
     raw[-3] ^= 0xFF
     shard.write_bytes(raw)
-    restored = _zeros(_state(0))
+    restored = zeros_like_state(_state(0))
     fresh = _tiered(tmp_path, s3)
     with pytest.warns(UserWarning, match="not usable"):
         assert fresh.restore(restored) == 1
-    assert _equal(restored, _state(1))
+    assert_states_equal(restored, _state(1))
     fallback = [e for e in fresh.events.read() if e["event"] == "fallback"]
     assert fallback and "local" in fallback[-1]["path"]
     fresh.close()
