@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.index import check_file_name
 from .local import BLOCK, Segment
 
@@ -206,8 +206,6 @@ class ObjectStoreDirectory:
             for s, data in zip(wanted, got):
                 view = memoryview(data)
                 if len(view) != s.end - s.offset:
-                    from ..errors import CorruptCheckpointError
-
                     raise CorruptCheckpointError(
                         f"{self.location(name)}: object is truncated (ends before byte {s.end})"
                     )
