@@ -14,13 +14,20 @@ from hypothesis import strategies as st
 import shardpoint
 from shardpoint.errors import CorruptCheckpointError
 from shardpoint.format.index import INDEX_NAME, parse_index
+from shardpoint.format.safetensors import DTYPES
 
 
 @functools.cache
 def _valid_index() -> bytes:
     with tempfile.TemporaryDirectory() as tmp:
         w = torch.ones(3, 2)
-        state = {"w": w, "tied": w, "nested": {"b": torch.arange(4)}, "meta": (1, "x", None)}
+        state = {
+            "w": w,
+            "tied": w,
+            "nested": {"b": torch.arange(4)},
+            "empty": torch.zeros(0, 5),
+            "meta": (1, "x", None),
+        }
         shardpoint.save(state, f"{tmp}/ckpt")
         return Path(f"{tmp}/ckpt/{INDEX_NAME}").read_bytes()
 
@@ -92,3 +99,27 @@ def test_deeply_nested_json_is_a_typed_error_not_a_crash():
         parse_index(raw, "index.json")
     except CorruptCheckpointError:
         pass
+
+
+edge_ints = st.sampled_from([-1, 0, 1, 2**31, 2**53 + 1, 2**61, 2**62, 2**63 - 1, 2**63, 2**70])
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_dimension_the_index_accepts_is_one_torch_can_allocate(data):
+    """One dimension of a tensor, in its entry and all its chunks alike (so they still
+    agree), set to an edge value: refused, or a shape torch can allocate (issue 14)."""
+    doc = json.loads(_valid_index())
+    name = data.draw(st.sampled_from([n for n, e in doc["tensors"].items() if "shape" in e]))
+    entry = doc["tensors"][name]
+    dim = data.draw(st.integers(0, len(entry["shape"]) - 1))
+    value = data.draw(edge_ints | st.integers(-(2**70), 2**70))
+    for shape in [entry["shape"]] + [c["shape"] for c in entry["chunks"]]:
+        shape[dim] = value
+    try:
+        index = parse_index(json.dumps(doc).encode(), "index.json")
+    except CorruptCheckpointError:
+        return
+    parsed = index.entries[name]
+    torch.empty(parsed.shape, dtype=DTYPES[parsed.dtype], device="meta")
+    assert parsed.nbytes < 2**63

@@ -142,7 +142,33 @@ def _parse(raw: bytes):
                 b'{"a":{"dtype":"F32","shape":[99999999999,99999999999],"data_offsets":[0,4]}}',
                 b"\0" * 4,
             ),
-            "needs",
+            "too large for 64-bit sizes",
+        ),
+        # issue 14: sizes must fit in int64, even next to a zero dimension
+        (
+            _file(b'{"a":{"dtype":"F32","shape":[0,1180591620717411303424],"data_offsets":[0,0]}}'),
+            r"invalid shape \[0, 1180591620717411303424\]",
+        ),
+        (
+            _file(b'{"a":{"dtype":"F32","shape":[0,4611686018427387904],"data_offsets":[0,0]}}'),
+            "too large for 64-bit sizes",
+        ),
+        (
+            _file(b'{"a":{"dtype":"U8","shape":[9223372036854775808,0],"data_offsets":[0,0]}}'),
+            "invalid shape",
+        ),
+        (_file(b'{"a":{"dtype":"F32","shape":[1.0],"data_offsets":[0,4]}}', b"\0" * 4), "shape"),
+        (
+            _file(b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4.0]}}', b"\0" * 4),
+            "data_offsets",
+        ),
+        (
+            _file(b'{"a":{"dtype":"F32","shape":[0],"data_offsets":[-1,-1]}}', b"\0" * 4),
+            "data_offsets",
+        ),
+        (
+            _file(b'{"__metadata__":{"format":"\\ud800"}}'),
+            "not valid Unicode",
         ),
         (
             _file(b'{"\\udc80":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', b"\0" * 4),
@@ -173,6 +199,20 @@ def test_parser_on_mutated_golden_file_raises_only_typed_errors(pos, value):
         _parse(bytes(raw))
     except CorruptCheckpointError:
         pass
+
+
+def test_a_surrogate_pair_escape_is_valid_unicode_and_parses():
+    header = _parse(
+        _file(b'{"w\\ud83d\\ude00":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', b"\0" * 4)
+    )
+    assert list(header.slots) == ["w\U0001f600"]
+
+
+def test_an_empty_tensor_with_a_large_dimension_that_fits_parses():
+    header = _parse(
+        _file(b'{"a":{"dtype":"U8","shape":[0,9223372036854775807],"data_offsets":[0,0]}}')
+    )
+    assert header.slots["a"].shape == (0, 2**63 - 1)
 
 
 def test_golden_file_parses():

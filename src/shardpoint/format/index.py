@@ -1,8 +1,9 @@
 """The checkpoint index (``index.json``), the commit marker, and chunk checksums.
 
 ``docs/format.md`` is the specification; this module is its only implementation.
-Parsing is strict: anything the index claims is checked for type and range, and
-file names must be plain names inside the checkpoint directory, before any shard
+Parsing is strict: anything the index claims is checked for type and range (every
+number an int, not a bool or a float, that fits in int64; every string valid Unicode),
+and file names must be plain names inside the checkpoint directory, before any shard
 byte is read.
 """
 
@@ -18,7 +19,7 @@ import xxhash
 
 from .. import tree as tree_codec
 from ..errors import CorruptCheckpointError
-from .safetensors import DTYPES, itemsize
+from .safetensors import DTYPES, TOO_LARGE, int64s, int_in, itemsize, lone_surrogate, tensor_nbytes
 
 FORMAT_NAME = "shardpoint"
 FORMAT_VERSION = 1
@@ -26,8 +27,9 @@ INDEX_NAME = "index.json"
 MARKER_NAME = "COMMITTED"
 CHECKSUM_ALGORITHM = "xxh3-64"
 # A shard file name is a plain name: no separators, no "..", nothing absolute.
-_FILE_NAME = re.compile(r"^(?!\.)[A-Za-z0-9._-]{1,200}$")
-_CHECKSUM = re.compile(r"^[0-9a-f]{16}$")
+_FILE_NAME = re.compile(r"(?!\.)[A-Za-z0-9._-]{1,200}")  # fullmatch: "$" passes a "\n"
+_CHECKSUM = re.compile(r"[0-9a-f]{16}")
+_DAMAGED = "the checkpoint is damaged, load an earlier one"
 
 
 def checksum(data: Any) -> str:
@@ -154,7 +156,7 @@ class Index:
 
 
 def check_file_name(name: object, where: str) -> str:
-    if not isinstance(name, str) or not _FILE_NAME.match(name):
+    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name):
         raise CorruptCheckpointError(
             f"{where}: refusing file name {name!r}: shard files must be plain names inside "
             "the checkpoint directory (no '/', no '..', not absolute)"
@@ -162,58 +164,63 @@ def check_file_name(name: object, where: str) -> str:
     return name
 
 
+def _corrupt(where: str, why: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where}: {why}; {_DAMAGED}")
+
+
 def _ints(
     value: object, what: str, of: str, where: str, *, length: int | None = None
 ) -> tuple[int, ...]:
-    # A plain loop: this runs for every chunk of every tensor, generators cost 2x here.
-    ok = type(value) is list and (length is None or len(value) == length)
-    if ok:
-        for v in value:  # type: ignore[union-attr]
-            if type(v) is not int or v < 0:
-                ok = False
-                break
-    if not ok:
-        raise CorruptCheckpointError(
-            f"{where}: {what} of {of!r} must be a list of non-negative ints, got {value!r}"
+    ints = int64s(value, length)
+    if ints is None:
+        count = "ints" if length is None else f"{length} ints"
+        raise _corrupt(
+            where, f"{what} of {of!r} must be a list of {count} in [0, 2**63), got {value!r:.200}"
         )
-    return tuple(value)  # type: ignore[arg-type]
+    return ints
+
+
+def _int(value: object, what: str, where: str, low: int = 0) -> int:
+    if not int_in(value, low):
+        raise _corrupt(where, f"{what} must be an int in [{low}, 2**63), got {value!r:.200}")
+    return value  # type: ignore[return-value]
 
 
 def parse_index(raw: bytes, where: str) -> Index:
     """Strictly parse and cross-check an index; raises CorruptCheckpointError naming ``where``."""
     try:
-        doc = json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        doc = json.loads(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{where}: not valid UTF-8 JSON ({exc})") from None
+        raise _corrupt(where, f"not valid UTF-8 JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise CorruptCheckpointError(
-            f'{where}: not a shardpoint index (missing "format": "shardpoint")'
+        raise _corrupt(where, 'not a shardpoint index (missing "format": "shardpoint")')
+    invalid = lone_surrogate(text, doc)
+    if invalid is not None:
+        raise _corrupt(
+            where, f"the string {invalid!r:.200} is not valid Unicode (a lone surrogate)"
         )
-    version = doc.get("format_version")
-    if type(version) is not int or version > FORMAT_VERSION or version < 1:
+    version = _int(doc.get("format_version"), "format_version", where, low=1)
+    if version > FORMAT_VERSION:
         raise CorruptCheckpointError(
             f"{where}: format_version {version!r} is not supported by this shardpoint "
             f"(reads up to {FORMAT_VERSION}); upgrade shardpoint to read it"
         )
     if doc.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
-        raise CorruptCheckpointError(
-            f"{where}: unknown checksum_algorithm {doc.get('checksum_algorithm')!r}"
-        )
+        raise _corrupt(where, f"unknown checksum_algorithm {doc.get('checksum_algorithm')!r:.200}")
     try:
         return _parse_fields(doc, where)
     except CorruptCheckpointError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CorruptCheckpointError(
-            f"{where}: malformed index ({type(exc).__name__}: {exc})"
-        ) from None
+        raise _corrupt(where, f"malformed index ({type(exc).__name__}: {exc})") from None
 
 
 def _parse_fields(doc: dict[str, Any], where: str) -> Index:
     files: dict[str, int] = {}
     for name, info in doc["files"].items():
         check_file_name(name, where)
-        files[name] = _ints([info["size"]], "size", name, where)[0]
+        files[name] = _int(info["size"], f"size of file {name!r}", where)
 
     entries: dict[str, TensorEntry] = {}
     aliases: dict[str, str] = {}
@@ -223,33 +230,34 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
             continue
         dtype = spec["dtype"]
         if type(dtype) is not str or dtype not in DTYPES:
-            raise CorruptCheckpointError(f"{where}: entry {name!r} has unknown dtype {dtype!r}")
+            raise _corrupt(where, f"entry {name!r} has unknown dtype {dtype!r:.200}")
         shape = _ints(spec["shape"], "shape", name, where)
+        if tensor_nbytes(dtype, shape) is None:
+            raise _corrupt(where, f"shape {list(shape)} of {name!r} is {TOO_LARGE}")
         chunks = tuple(_parse_chunk(c, name, dtype, shape, files, where) for c in spec["chunks"])
         _check_cover(name, shape, chunks, where)
         entries[name] = TensorEntry(name, dtype, shape, chunks)
     for name, target in aliases.items():
         if target not in entries:
-            raise CorruptCheckpointError(
-                f"{where}: alias {name!r} points at missing entry {target!r}"
-            )
+            raise _corrupt(where, f"alias {name!r} points at missing entry {target!r:.200}")
 
     tree = doc["tree"]
     try:
         referenced = tree_codec.tensor_names(tree)
     except (ValueError, TypeError, AttributeError, KeyError) as exc:
-        raise CorruptCheckpointError(f"{where}: malformed state tree ({exc})") from None
+        raise _corrupt(where, f"malformed state tree ({exc})") from None
     known = set(entries) | set(aliases)
     unknown = [n for n in referenced if n not in known]
     if unknown or len(referenced) != len(known):
-        raise CorruptCheckpointError(
-            f"{where}: state tree and tensor table disagree "
-            f"(e.g. {(unknown or sorted(known - set(referenced)))[:3]})"
+        raise _corrupt(
+            where,
+            "state tree and tensor table disagree "
+            f"(e.g. {(unknown or sorted(known - set(referenced)))[:3]})",
         )
-    world_size = doc.get("world_size", 1)
+    world_size = _int(doc.get("world_size", 1), "world_size", where, low=1)
     metadata = doc.get("metadata", {})
-    if type(world_size) is not int or world_size < 1 or not isinstance(metadata, dict):
-        raise CorruptCheckpointError(f"{where}: invalid world_size or metadata")
+    if not isinstance(metadata, dict):
+        raise _corrupt(where, f"metadata must be a JSON object, got {metadata!r:.200}")
     return Index(
         files=files,
         entries=entries,
@@ -273,46 +281,42 @@ def _parse_chunk(
 ) -> Chunk:
     file = spec["file"]
     if type(file) is not str or file not in files:  # names in `files` were checked already
-        raise CorruptCheckpointError(
-            f"{where}: entry {name!r} names file {file!r} not listed in files"
-        )
-    offsets = _ints(spec["offsets"], "offsets", name, where, length=len(shape))
+        raise _corrupt(where, f"entry {name!r} names file {file!r:.200} not listed in files")
+    offsets = _ints(spec["offsets"], "chunk offsets", name, where, length=len(shape))
     cshape = _ints(spec["shape"], "chunk shape", name, where, length=len(shape))
-    begin, end = _ints(spec["byte_range"], "byte_range", name, where, length=2)
+    begin, end = _ints(spec["byte_range"], "chunk byte_range", name, where, length=2)
     if offsets != (0,) * len(shape) or cshape != shape:  # a whole tensor needs no more checks
         if any(o + s > d for o, s, d in zip(offsets, cshape, shape)):
-            raise CorruptCheckpointError(
-                f"{where}: a chunk of {name!r} lies outside its shape {list(shape)}"
-            )
+            raise _corrupt(where, f"a chunk of {name!r} lies outside its shape {list(shape)}")
     if end - begin != math.prod(cshape) * itemsize(dtype) or end > files[file]:
-        raise CorruptCheckpointError(
-            f"{where}: chunk of {name!r} has byte_range [{begin}, {end}] inconsistent with its "
-            f"shape or with the size of {file}"
+        raise _corrupt(
+            where,
+            f"chunk of {name!r} has byte_range [{begin}, {end}] inconsistent with its "
+            f"shape or with the size of {file}",
         )
-    (block_rows,) = _ints([spec["block_rows"]], "block_rows", name, where)
+    block_rows = _int(spec["block_rows"], f"block_rows of a chunk of {name!r}", where, low=1)
     digests = spec["checksums"]
     rows = cshape[0] if cshape else 1
     if (
-        block_rows < 1
-        or type(digests) is not list
+        type(digests) is not list
         or len(digests) != max(1, -(-rows // block_rows))
-        or not all(type(d) is str and _CHECKSUM.match(d) for d in digests)
+        or not all(type(d) is str and _CHECKSUM.fullmatch(d) for d in digests)
     ):
-        raise CorruptCheckpointError(
-            f"{where}: chunk of {name!r} has malformed checksums {digests!r:.80}"
+        raise _corrupt(
+            where,
+            f"chunk of {name!r} has malformed checksums {digests!r:.80} (need one per "
+            f"{block_rows} rows, each 16 lowercase hex digits)",
         )
     key = spec["key"]
     if not isinstance(key, str):
-        raise CorruptCheckpointError(f"{where}: chunk of {name!r} has a non-string key")
+        raise _corrupt(where, f"chunk of {name!r} has a non-string key")
     return Chunk(file, key, offsets, cshape, begin, end, tuple(digests), block_rows)
 
 
 def _check_cover(name: str, shape: tuple[int, ...], chunks: tuple[Chunk, ...], where: str) -> None:
     """The chunks must tile the tensor exactly: volumes add up and no two overlap."""
     if sum(math.prod(c.shape) for c in chunks) != math.prod(shape):
-        raise CorruptCheckpointError(
-            f"{where}: the chunks of {name!r} do not cover its shape {list(shape)}"
-        )
+        raise _corrupt(where, f"the chunks of {name!r} do not cover its shape {list(shape)}")
     if len(chunks) > 1:
         nonempty = [c for c in chunks if math.prod(c.shape)]
         for i, a in enumerate(nonempty):
@@ -321,7 +325,7 @@ def _check_cover(name: str, shape: tuple[int, ...], chunks: tuple[Chunk, ...], w
                     ao < bo + bs and bo < ao + as_
                     for ao, as_, bo, bs in zip(a.offsets, a.shape, b.offsets, b.shape)
                 ):
-                    raise CorruptCheckpointError(f"{where}: two chunks of {name!r} overlap")
+                    raise _corrupt(where, f"two chunks of {name!r} overlap")
 
 
 def marker_json(index_bytes: bytes) -> bytes:

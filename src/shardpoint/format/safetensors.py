@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +50,16 @@ ALIGNMENT = 8
 PAGE = 4096
 _LEN = struct.Struct("<Q")
 _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+# Every dimension, element count, byte count, offset and size must fit in int64, the
+# type torch, safetensors and the OS use for them.
+INT64_MAX = 2**63 - 1
+# A JSON escape that can decode to a lone surrogate (\ud800-\udfff): a fast filter
+# before the exact check in ``lone_surrogate``.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+TOO_LARGE = (
+    "too large for 64-bit sizes (its nonzero dimensions times the item size must be < 2**63 bytes)"
+)
+_DAMAGED = "the file is damaged: restore it from a copy or load an earlier checkpoint"
 
 
 @dataclass(frozen=True)
@@ -129,11 +141,66 @@ def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return out
 
 
-def _nonneg_ints(values: list[object]) -> bool:
-    for v in values:
-        if type(v) is not int or v < 0:  # type(): bool is an int subclass, not a size
-            return False
-    return True
+def int_in(value: object, low: int = 0, high: int = INT64_MAX) -> bool:
+    """``value`` is an int (not a bool, not a float) with ``low <= value <= high``.
+
+    >>> int_in(3), int_in(True), int_in(3.0), int_in(-1), int_in(2**63)
+    (True, False, False, False, False)
+    """
+    return type(value) is int and low <= value <= high
+
+
+def int64s(value: object, length: int | None = None) -> tuple[int, ...] | None:
+    """``value`` as a tuple if it is a list (of ``length`` items) of ``int_in`` values."""
+    if type(value) is not list or (length is not None and len(value) != length):
+        return None
+    for v in value:  # a plain loop: this runs for every chunk of every tensor
+        if not int_in(v):
+            return None
+    return tuple(value)
+
+
+def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int | None:
+    """Bytes of a ``dtype`` tensor of ``shape``; None if its sizes do not fit in int64.
+
+    A zero dimension counts as 1 in the bound: torch derives strides from the other
+    dimensions, so ``[0, 2**61, 4]`` overflows although it holds no element.
+
+    >>> tensor_nbytes("F32", [2, 3]), tensor_nbytes("F32", [0, 2**70])
+    (24, None)
+    """
+    bound = itemsize(dtype)
+    for d in shape:
+        bound *= d or 1
+        if bound > INT64_MAX:
+            return None
+    return math.prod(shape) * itemsize(dtype)
+
+
+def lone_surrogate(text: str, doc: object) -> str | None:
+    """The first string in ``doc`` (parsed from the JSON ``text``) that is not valid
+    Unicode, or None. JSON can spell a lone surrogate (``"\\ud800"``) but UTF-8 cannot
+    encode one, so no writer produces it and printing or re-encoding it fails.
+
+    >>> lone_surrogate('{"w\\\\ud800": 1}', {"w\\ud800": 1})
+    'w\\ud800'
+    """
+    if not _SURROGATE_ESCAPE.search(text):  # the usual case: not even an escape like it
+        return None
+    stack = [doc]  # a loop, not recursion: the document may nest as deep as json allows
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, str) and not node.isascii():
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return node
+    return None
 
 
 def header_length(prefix: bytes, file_size: int, where: str) -> int:
@@ -163,7 +230,7 @@ def parse_header(header: bytes, file_size: int, where: str) -> Header:
     """
 
     def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{where}: invalid safetensors header: {why}")
+        return CorruptCheckpointError(f"{where}: invalid safetensors header: {why}; {_DAMAGED}")
 
     try:
         text = header.decode("utf-8")
@@ -177,6 +244,11 @@ def parse_header(header: bytes, file_size: int, where: str) -> Header:
         raise bad(f"not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise bad("top level is not a JSON object")
+    invalid = lone_surrogate(text, doc)
+    if invalid is not None:
+        raise bad(
+            f"the string {invalid!r:.200} is not valid Unicode (a lone surrogate), so not UTF-8"
+        )
 
     metadata = doc.pop(METADATA_KEY, {})
     if not isinstance(metadata, dict) or not all(
@@ -188,27 +260,22 @@ def parse_header(header: bytes, file_size: int, where: str) -> Header:
     data_len = file_size - data_start
     slots: dict[str, TensorSlot] = {}
     for name, entry in doc.items():
-        try:
-            name.encode("utf-8")
-        except UnicodeEncodeError:
-            raise bad(f"tensor name {name!r} is not valid UTF-8") from None
         if type(entry) is not dict or len(entry) != 3 or not _ENTRY_KEYS.issuperset(entry):
             raise bad(f"entry {name!r} must have exactly dtype, shape and data_offsets")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if type(dtype) is not str or dtype not in DTYPES:  # a list would not even hash
             raise bad(f"entry {name!r} has unknown dtype {dtype!r}")
-        if type(shape) is not list or not _nonneg_ints(shape):
-            raise bad(f"entry {name!r} has an invalid shape {shape!r}")
-        if (
-            type(offsets) is not list
-            or len(offsets) != 2
-            or not _nonneg_ints(offsets)
-            or not offsets[0] <= offsets[1] <= data_len
-        ):
+        if int64s(shape) is None:
             raise bad(
-                f"entry {name!r} has data_offsets {offsets!r} outside the {data_len}-byte data"
+                f"entry {name!r} has an invalid shape {shape!r:.200} (need ints in [0, 2**63))"
             )
-        expected = math.prod(shape) * itemsize(dtype)
+        expected = tensor_nbytes(dtype, shape)
+        if expected is None:
+            raise bad(f"entry {name!r} has shape {shape!r:.200}, {TOO_LARGE}")
+        if int64s(offsets, 2) is None or not offsets[0] <= offsets[1] <= data_len:
+            raise bad(
+                f"entry {name!r} has data_offsets {offsets!r:.200} outside the {data_len}-byte data"
+            )
         if offsets[1] - offsets[0] != expected:
             raise bad(
                 f"entry {name!r} spans {offsets[1] - offsets[0]} bytes "
