@@ -194,7 +194,8 @@ def test_import_hf_refuses_pickle_weights(tmp_path, capsys):
 
 def test_convert_command_between_formats(tmp_path, capsys):
     torch.save({"w": torch.arange(4.0)}, tmp_path / "in.pt")
-    assert main(["convert", str(tmp_path / "in.pt"), str(tmp_path / "ckpt"), "--json"]) == 0
+    argv = ["convert", str(tmp_path / "in.pt"), str(tmp_path / "ckpt"), "--allow-pickle"]
+    assert main([*argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tensors"] == 1
     assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "out.pt")]) == 0
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], torch.arange(4.0))

@@ -261,7 +261,7 @@ def test_dcp_to_shardpoint_keeps_every_tensor(tmp_path):
     opt.step()
     state = {"model": model.state_dict(), "extra": {"t": torch.arange(5)}}
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    result = shardpoint.convert(tmp_path / "dcp", tmp_path / "ckpt")
+    result = shardpoint.convert(tmp_path / "dcp", tmp_path / "ckpt", allow_pickle=True)
     assert result.source_format == "dcp" and result.skipped == []
     with shardpoint.open(tmp_path / "ckpt") as r:
         for name, value in model.state_dict().items():
@@ -272,7 +272,7 @@ def test_dcp_to_shardpoint_keeps_every_tensor(tmp_path):
 def test_torch_save_round_trips_through_shardpoint(tmp_path):
     state = {"w": torch.randn(4, 4), "nested": {"b": torch.arange(3)}, "step": 5}
     torch.save(state, tmp_path / "in.pt")
-    shardpoint.convert(tmp_path / "in.pt", tmp_path / "ckpt")
+    shardpoint.convert(tmp_path / "in.pt", tmp_path / "ckpt", allow_pickle=True)
     shardpoint.convert(tmp_path / "ckpt", tmp_path / "out.pt")
     back = torch.load(tmp_path / "out.pt", weights_only=True)
     assert torch.equal(back["w"], state["w"]) and torch.equal(
@@ -286,4 +286,4 @@ def test_torch_save_round_trips_through_shardpoint(tmp_path):
 def test_a_torch_save_file_with_arbitrary_objects_is_refused(tmp_path):
     torch.save({"obj": Path("/etc")}, tmp_path / "bad.pt")
     with pytest.raises(CheckpointError, match="weights_only"):
-        shardpoint.convert(tmp_path / "bad.pt", tmp_path / "ckpt")
+        shardpoint.convert(tmp_path / "bad.pt", tmp_path / "ckpt", allow_pickle=True)

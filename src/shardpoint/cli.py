@@ -42,9 +42,9 @@ EXAMPLES = {
     "  shardpoint export-hf CKPT export/ --rename '^model\\.=' --rename 'attn=self_attn'",
     "import-hf": "shardpoint import-hf Llama-3-8B/ runs/imported\n"
     "  shardpoint import-hf model.safetensors runs/imported",
-    "convert": "shardpoint convert dcp_checkpoint/ runs/converted      # DCP -> shardpoint\n"
-    "  shardpoint convert model.pt runs/converted             # torch.save -> shardpoint\n"
-    "  shardpoint convert runs/exp1/step-000001000 model.pt   # shardpoint -> torch.save",
+    "convert": "shardpoint convert dcp_checkpoint/ runs/converted --allow-pickle  # DCP\n"
+    "  shardpoint convert model.pt runs/converted --allow-pickle         # torch.save\n"
+    "  shardpoint convert runs/exp1/step-000001000 model.pt              # to torch.save",
     "prune": "shardpoint prune runs/exp1 --keep-last 3 --dry-run\n"
     "  shardpoint prune runs/exp1 --keep-last 3",
     "report": "shardpoint report runs/exp1                 # summary + runs/exp1/report.png\n"
@@ -412,7 +412,7 @@ def _import_hf(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from .convert import convert
 
-    result = convert(args.source, args.out)
+    result = convert(args.source, args.out, allow_pickle=args.allow_pickle)
     return _report_saved(args, result.path, result.tensors, None, result.skipped)
 
 
@@ -541,6 +541,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("convert", _convert, "DCP or torch.save -> shardpoint, shardpoint -> torch.save")
     p.add_argument("source", help="DCP directory, torch.save file or shardpoint checkpoint")
     p.add_argument("out", help="new checkpoint directory, or .pt file from shardpoint")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="needed to read a DCP directory or torch.save file: both are pickles, and "
+        "unpickling can run code; pass it only for files you trust",
+    )
     p = command("prune", _prune, "delete all but the newest committed checkpoints")
     p.add_argument("path", help="a directory of checkpoints")
     p.add_argument("--keep-last", type=int, required=True, help="how many to keep")

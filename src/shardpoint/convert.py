@@ -1,13 +1,16 @@
 """Conversions between shardpoint and other checkpoint formats.
 
 - ``torch.distributed.checkpoint`` directory -> shardpoint: DCP keeps its metadata in a
-  pickle (``.metadata``), which torch's own reader loads; converting is an explicit
-  request to trust that directory. Non-tensor entries of DCP (pickled objects) are
-  not converted and are reported.
+  pickle (``.metadata``), which torch's own reader loads with the full unpickler.
+  Non-tensor entries of DCP (pickled objects) are not converted and are reported.
 - ``torch.save`` file -> shardpoint: read with ``torch.load`` and ``weights_only=True,
   mmap=True`` (the restricted unpickler; tensor bytes stay memory-mapped).
 - shardpoint -> ``torch.save`` file: the whole state is built in memory, because a
   ``torch.save`` file is one pickle of one object.
+
+Both readers of a foreign format unpickle, so ``convert`` runs them only when the
+caller passes ``allow_pickle=True`` (CLI: ``--allow-pickle``), the same rule as
+``.bin`` weights in ``hf.py``: nothing is unpickled on a default path.
 """
 
 from __future__ import annotations
@@ -49,18 +52,41 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     )
 
 
-def convert(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> Conversion:
+def convert(
+    source: str | os.PathLike[str], out: str | os.PathLike[str], *, allow_pickle: bool = False
+) -> Conversion:
     """Convert ``source`` (DCP directory, ``torch.save`` file, or shardpoint checkpoint)
-    to ``out``: a shardpoint checkpoint, or a ``torch.save`` file from shardpoint."""
+    to ``out``: a shardpoint checkpoint, or a ``torch.save`` file from shardpoint.
+
+    A DCP directory or a ``torch.save`` file is a pickle and is refused unless
+    ``allow_pickle=True``: pass it only for files you trust.
+
+    >>> convert("dcp_checkpoint/", "runs/converted", allow_pickle=True)  # doctest: +SKIP
+    """
     kind = detect_format(source)
+    if kind == "shardpoint":
+        return _shardpoint_to_torch_save(source, out)
+    if not allow_pickle:
+        raise _pickle_refused(Path(source), kind)
     if kind == "dcp":
-        return dcp_to_shardpoint(source, out)
-    if kind == "torch.save":
-        return torch_save_to_shardpoint(source, out)
-    return shardpoint_to_torch_save(source, out)
+        return _dcp_to_shardpoint(source, out)
+    return _torch_save_to_shardpoint(source, out)
 
 
-def dcp_to_shardpoint(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> Conversion:
+def _pickle_refused(source: Path, kind: str) -> CheckpointError:
+    # Raised before any byte of the pickle is read: unpickling is what runs code.
+    if kind == "dcp":
+        file, what = source / ".metadata", "DCP metadata, read by torch's full unpickler"
+    else:
+        file, what = source, "torch.save file, read by torch's restricted unpickler"
+    return CheckpointError(
+        f"{file}: not read without allow_pickle=True: it is a pickle ({what}), and "
+        "unpickling a file can run code it carries. If you trust it, pass "
+        "allow_pickle=True (CLI: --allow-pickle)."
+    )
+
+
+def _dcp_to_shardpoint(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> Conversion:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -78,7 +104,7 @@ def dcp_to_shardpoint(source: str | os.PathLike[str], out: str | os.PathLike[str
     return Conversion("dcp", info.path, info.tensors, skipped)
 
 
-def torch_save_to_shardpoint(
+def _torch_save_to_shardpoint(
     source: str | os.PathLike[str], out: str | os.PathLike[str]
 ) -> Conversion:
     try:
@@ -96,7 +122,7 @@ def torch_save_to_shardpoint(
     return Conversion("torch.save", info.path, info.tensors)
 
 
-def shardpoint_to_torch_save(
+def _shardpoint_to_torch_save(
     source: str | os.PathLike[str], out: str | os.PathLike[str]
 ) -> Conversion:
     out = Path(out)

@@ -8,6 +8,12 @@ one shard is a single ``model.safetensors`` without an index.
 Export streams tensor by tensor: one tensor (plus its cast copy) is in memory at a
 time. Loading reads each rank's slices straight into its (possibly FSDP-sharded)
 parameters with the same read planner as ``shardpoint.load``.
+
+A layout being read is the user's own files, not a shardpoint checkpoint, so it has
+its own file rule (``SourceDirectory``): symlinks are followed wherever they point
+(the hub cache links ``snapshots/<rev>/*`` to ``../../blobs/<sha>``) and names may
+hold spaces, '+' and non-ASCII letters; a name is still a plain name inside the
+directory and must be a regular file.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import math
 import mmap
 import os
 import re
+import stat
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -32,12 +39,12 @@ from .errors import (
     CorruptCheckpointError,
     StateMismatchError,
 )
-from .format.index import Chunk, Index, TensorEntry, check_file_name
+from .format.index import Chunk, Index, TensorEntry
 from .format.safetensors import DTYPES, dtype_name, encode_header, itemsize, layout
 from .loading import ReadPlan
 from .reader import CheckpointReader
 from .saving import DEFAULT_THREADS, SaveInfo, save
-from .storage.local import LocalDirectory, fsync_directory, pwrite_all
+from .storage.local import LocalDirectory, fsync_directory, pwrite_all, typed_read_errors
 from .tensor_kinds import local_part
 from .tensor_memory import flat_bytes, plain
 
@@ -221,6 +228,49 @@ def _write_hf_file(
 # ---- reading the layout ------------------------------------------------------------------
 
 
+def check_source_file_name(name: object, where: str) -> str:
+    """A file name from a source's weight map: a plain name inside the source directory
+    (no '/', not '.' or '..', no NUL, hence never absolute). Unlike shardpoint's own
+    shard names (``format.index.check_file_name``) it may hold spaces, '+' and
+    non-ASCII letters: whoever wrote the source chose it."""
+    if not isinstance(name, str) or not _is_plain_name(name):
+        raise CorruptCheckpointError(
+            f"{where}: refusing file name {name!r}: the weight map must name files inside "
+            "the source directory (no '/', no '..', not absolute)"
+        )
+    return name
+
+
+def _is_plain_name(name: str) -> bool:
+    if name in ("", ".", "..") or "/" in name or "\0" in name:
+        return False
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError:  # a lone surrogate from JSON names no file
+        return False
+    return True
+
+
+class SourceDirectory(LocalDirectory):
+    """The directory of a Hugging Face layout being read: the user's files, so symlinks
+    are followed wherever they point, unlike in a shardpoint checkpoint."""
+
+    def path(self, name: str) -> Path:
+        path = self.root / check_source_file_name(name, str(self.root))
+        with typed_read_errors(path):  # a symlink loop, no permission: typed
+            try:
+                mode = path.stat().st_mode  # follows symlinks
+            except FileNotFoundError:
+                return path  # size() reports it as missing
+        # Opening a FIFO would block and a directory has no bytes: refuse both first.
+        if not stat.S_ISREG(mode):
+            raise CorruptCheckpointError(
+                f"{path}: not a regular file (a directory, FIFO or device); the weight map "
+                "must name .safetensors files"
+            )
+        return path
+
+
 def open_hf(source: str | os.PathLike[str]) -> CommittedCheckpoint:
     """The tensors of a Hugging Face layout (directory with an index or a single
     ``model.safetensors``, or one ``.safetensors`` file), as a checkpoint the read
@@ -244,7 +294,7 @@ def open_hf(source: str | os.PathLike[str]) -> CommittedCheckpoint:
         raise CheckpointError(
             f"{source}: no {HF_INDEX}, {HF_SINGLE} or .safetensors file here.{hint}"
         )
-    storage = LocalDirectory(root)
+    storage = SourceDirectory(root)
     entries: dict[str, TensorEntry] = {}
     sizes: dict[str, int] = {}
     for file in files:
@@ -284,7 +334,7 @@ def _index_files(path: Path) -> list[str]:
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
         raise CorruptCheckpointError(f"{where}: no 'weight_map' object of tensor -> file")
-    return sorted({check_file_name(f, where) for f in weight_map.values()})
+    return sorted({check_source_file_name(f, where) for f in weight_map.values()})
 
 
 def load_hf(
