@@ -351,7 +351,8 @@ def _torchrun(run_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
 
 def test_ddp_job_killed_with_sigkill_resumes_bit_identical(tmp_path):
     reference = tmp_path / "reference"
-    assert _torchrun(reference).returncode == 0
+    done = _torchrun(reference)
+    assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "run"
     killed = _torchrun(run, "--crash-at", "17")
     assert killed.returncode != 0  # every rank was SIGKILLed at step 17

@@ -12,6 +12,7 @@ from .convert import convert  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
     CheckpointExistsError,
+    ConcurrentWriterError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     StateMismatchError,
@@ -42,6 +43,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointExistsError",
     "CheckpointReader",
+    "ConcurrentWriterError",
     "CorruptCheckpointError",
     "FileReport",
     "IncompleteCheckpointError",

@@ -232,6 +232,8 @@ def _finish_in_background(
         info = replace(info, blocked_seconds=handle.stall_seconds)
     except BaseException as exc:  # delivered through the handle, never lost
         error = exc
+    finally:
+        plan.unlock()  # commit releases it; this covers a failure before the commit
     if on_done is not None:
         try:
             on_done(info, error)

@@ -24,6 +24,11 @@ from .format.index import (
 from .format.safetensors import Header, header_length, parse_header
 from .storage import CheckpointStorage, open_storage
 
+# Small files are read whole; a hostile one (a sparse 64 GB index) must not exhaust
+# memory. 1 GiB holds the index of ~5 million chunks (docs/format.md).
+MAX_INDEX_BYTES = int(os.environ.get("SHARDPOINT_MAX_INDEX_BYTES", 1 << 30))
+MAX_MARKER_BYTES = 64 * 1024
+
 
 @dataclass
 class CommittedCheckpoint:
@@ -81,13 +86,13 @@ def open_committed(
         raise IncompleteCheckpointError(
             f"{storage.where}: no such checkpoint directory; check the path"
         )
-    marker = storage.read_small(MARKER_NAME)
+    marker = storage.read_small(MARKER_NAME, MAX_MARKER_BYTES)
     if marker is None:
         raise IncompleteCheckpointError(
             f"{storage.where}: no commit marker ({MARKER_NAME}), so this is not a committed "
             "checkpoint (the save did not finish); load an earlier checkpoint"
         )
-    raw = storage.read_small(INDEX_NAME)
+    raw = storage.read_small(INDEX_NAME, MAX_INDEX_BYTES)
     if raw is None:
         raise CorruptCheckpointError(
             f"{storage.location(INDEX_NAME)}: missing although the checkpoint was committed; "
@@ -114,17 +119,34 @@ def foreign_files(storage: CheckpointStorage) -> list[str]:
     return [name for name in storage.list() if not OWN_FILE.match(name)]
 
 
+def is_committed(storage: CheckpointStorage) -> bool:
+    """Whether the directory holds a commit marker. One that exists but cannot even be
+    looked at (a symlink loop) counts: readers then report it, and restore falls back."""
+    try:
+        return storage.size(MARKER_NAME) is not None
+    except CorruptCheckpointError:
+        return True
+
+
 def delete_checkpoint(storage: CheckpointStorage) -> None:
-    """Remove a checkpoint directory, commit marker first.
+    """Remove a checkpoint directory, commit marker first, under its writer lock.
 
     Once the marker is gone no reader takes the directory for a checkpoint, so a crash
     halfway leaves an uncommitted leftover, never a damaged "valid" checkpoint. Files
-    that are not shardpoint's are left alone (and keep the directory).
+    that are not shardpoint's are left alone (and keep the directory). A directory that
+    another process is saving to raises ``ConcurrentWriterError`` and is not touched.
     """
-    if storage.size(MARKER_NAME) is not None:
-        storage.delete(MARKER_NAME)
-        storage.sync()
-    for name in storage.list():
-        if OWN_FILE.match(name):
-            storage.delete(name)
-    storage.remove_if_empty()
+    if not storage.exists():
+        return
+    lock = storage.lock()
+    lock.acquire()
+    try:
+        if storage.size(MARKER_NAME) is not None:
+            storage.delete(MARKER_NAME)
+            storage.sync()
+        for name in storage.list():
+            if OWN_FILE.match(name):
+                storage.delete(name)
+        storage.remove_if_empty()
+    finally:
+        lock.release()

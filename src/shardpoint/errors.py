@@ -29,3 +29,16 @@ class UnsupportedValueError(CheckpointError, TypeError):
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """A committed checkpoint already exists where a new one was to be written."""
+
+
+class ConcurrentWriterError(CheckpointError):
+    """Another process is saving to (or deleting) the same checkpoint directory."""
+
+
+def file_too_large(where: str, size: int, limit: int) -> CorruptCheckpointError:
+    """The error for a small file (index, marker) over its size limit, read or not."""
+    return CorruptCheckpointError(
+        f"{where}: {size} bytes, over the limit of {limit} bytes for this file; the "
+        "checkpoint is damaged (if it is genuinely this large, raise the limit with "
+        "SHARDPOINT_MAX_INDEX_BYTES)"
+    )

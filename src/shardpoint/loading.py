@@ -1,16 +1,23 @@
-"""``shardpoint.load``: read a checkpoint in place into the live state.
+"""``shardpoint.load``: read a checkpoint in place into the live state, all or nothing.
 
 Every check that needs no tensor bytes (commit marker, index, file sizes, shard
-headers, keys, shapes, dtypes) runs before the first byte is read, so a mismatch
-never leaves the state half overwritten. A stored chunk that lands whole in
-contiguous CPU memory is read straight into it; otherwise (resharding, other devices,
-strided tensors) the rows needed are read into a temporary tensor and copied.
+headers, keys, shapes, dtypes, optimizer parameter groups) runs before the first byte
+is read. A stored chunk that lands whole in contiguous CPU memory is read straight
+into it; otherwise (resharding, other devices, strided tensors) the rows needed are
+read into a temporary tensor and copied once every read is verified.
+
+A load that fails after all (a checksum, an unreadable file, a ``Stateful`` rejecting
+its state) leaves the state as it was: the old bytes of every CPU tensor overwritten
+in place are kept in an undo copy, taken batch by batch just ahead of the reads so
+that the copy overlaps the I/O, and put back on failure (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +75,7 @@ def load(
                 f"{name!r}: checkpoint has {entry.dtype}{list(entry.shape)}, state has "
                 f"{dest.dtype}{list(shape)}"
             )
+    problems.extend(m.mismatched)
     if problems:
         raise StateMismatchError(
             f"{ckpt.where}: checkpoint does not fit the state: "
@@ -78,10 +86,23 @@ def load(
 
     reads = ReadPlan(ckpt)
     for name, dest in m.destinations.items():
-        reads.into(name, dest)
+        reads.into(name, dest, live=True)
     loaded = {name: reads.fresh(name) for name in m.materialize}
-    reads.run(threads=threads, verify=verify)
-    m.finish(lambda name: loaded[name])
+    undo = reads.run(threads=threads, verify=verify)
+    try:
+        m.finish(lambda name: loaded[name])
+    except BaseException:
+        undo.restore()
+        for give_back in reversed(m.undo):
+            try:
+                give_back()
+            except Exception as exc:  # the original error is the one to raise
+                warnings.warn(
+                    f"{ckpt.where}: the load failed and a Stateful could not take its "
+                    f"earlier state back ({exc}); rebuild it before going on",
+                    stacklevel=2,
+                )
+        raise
 
 
 def _some(keys: list[str], limit: int = 10) -> str:
@@ -95,6 +116,7 @@ class _Region:
 
     offsets: tuple[int, ...]
     tensor: torch.Tensor  # the first destination: a rank's local part, any device/layout
+    live: bool  # part of the caller's state (restored if the load fails), not a new tensor
     copies: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -107,6 +129,7 @@ class _Pending:
     first_block: int
     blocks: int
     copy: tuple[torch.Tensor, torch.Tensor] | None  # (destination box, source box)
+    live: bool  # the bytes land in (or are copied into) the caller's state
 
 
 class ReadPlan:
@@ -123,12 +146,15 @@ class ReadPlan:
         self.regions: dict[str, list[_Region]] = {}
         self.fresh_tensors: dict[str, torch.Tensor] = {}
 
-    def into(self, name: str, dest: torch.Tensor) -> None:
-        """Fill ``dest`` (a plain tensor or a DTensor's local shard) with entry ``name``."""
+    def into(self, name: str, dest: torch.Tensor, *, live: bool = False) -> None:
+        """Fill ``dest`` (a plain tensor or a DTensor's local shard) with entry ``name``;
+        ``live``: it belongs to the caller's state, restored if ``run`` fails."""
         part, _, offsets = local_part(plain(dest), name)
-        self.into_region(name, part, offsets)
+        self.into_region(name, part, offsets, live=live)
 
-    def into_region(self, name: str, part: torch.Tensor, offsets: tuple[int, ...]) -> None:
+    def into_region(
+        self, name: str, part: torch.Tensor, offsets: tuple[int, ...], *, live: bool = False
+    ) -> None:
         """Fill ``part`` with the box of entry ``name`` that starts at ``offsets``."""
         entry = self.ckpt.index.resolve(name)
         regions = self.regions.setdefault(entry.name, [])
@@ -136,8 +162,9 @@ class ReadPlan:
             if r.offsets == offsets and tuple(r.tensor.shape) == tuple(part.shape):
                 if not _same_memory(r.tensor, part):
                     r.copies.append(part)
+                    r.live = r.live or live
                 return
-        regions.append(_Region(offsets, part))
+        regions.append(_Region(offsets, part, live))
 
     def fresh(self, name: str) -> torch.Tensor:
         """A new CPU tensor holding all of entry ``name``; aliases share one tensor."""
@@ -148,8 +175,11 @@ class ReadPlan:
             self.into(entry.name, t)
         return self.fresh_tensors[entry.name]
 
-    def run(self, *, threads: int, verify: bool, direct: bool = True) -> None:
-        requests: dict[str, list[Segment]] = {}
+    def run(self, *, threads: int, verify: bool, direct: bool = True) -> Undo:
+        """Read, verify and place every region. On any error the live regions are as
+        before; on success the returned ``Undo`` can still put them back."""
+        batches: list[dict[str, list[Segment]]] = [{}]
+        batch_bytes = 0
         pending: dict[int, _Pending] = {}  # id(segment) -> what it holds
         for name, regions in self.regions.items():
             entry = self.ckpt.index.entries[name]
@@ -159,33 +189,68 @@ class ReadPlan:
                     if read is not None:
                         self.ckpt.header(chunk.file)
                         segment, p = read
-                        requests.setdefault(chunk.file, []).append(segment)
+                        if batch_bytes >= UNDO_BATCH_BYTES:
+                            batches.append({})
+                            batch_bytes = 0
+                        batches[-1].setdefault(chunk.file, []).append(segment)
+                        batch_bytes += segment.end - segment.offset
                         pending[id(segment)] = p
 
         def verify_segment(segment: Segment) -> None:
             p = pending[id(segment)]
             _verify_blocks(self.ckpt, p, segment)
 
-        self.ckpt.storage.read_ranges(
-            requests, threads=threads, direct=direct, on_segment=verify_segment if verify else None
-        )
-        with torch.no_grad():
-            for p in pending.values():
-                if p.copy is not None:
-                    p.copy[0].copy_(p.copy[1])
-            for regions in self.regions.values():
-                for r in regions:
-                    for dest in r.copies:
-                        dest.copy_(r.tensor)
+        def in_place(batch: dict[str, list[Segment]]) -> list[torch.Tensor]:
+            return [
+                s.data
+                for ss in batch.values()
+                for s in ss
+                if pending[id(s)].live and pending[id(s)].copy is None
+            ]
+
+        undo = Undo()
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="shardpoint-undo") as saver:
+                # The undo copy of batch k+1 runs while batch k is read.
+                ahead: Future[None] = saver.submit(undo.save, in_place(batches[0]))
+                for k, batch in enumerate(batches):
+                    ahead.result()
+                    if k + 1 < len(batches):
+                        ahead = saver.submit(undo.save, in_place(batches[k + 1]))
+                    self.ckpt.storage.read_ranges(
+                        batch,
+                        threads=threads,
+                        direct=direct,
+                        on_segment=verify_segment if verify else None,
+                    )
+            with torch.no_grad():  # every read is verified: now the copies into place
+                for p in pending.values():
+                    if p.copy is not None:
+                        if p.live:
+                            undo.save([p.copy[0]])
+                        p.copy[0].copy_(p.copy[1])
+                for regions in self.regions.values():
+                    for r in regions:
+                        for dest in r.copies:
+                            if r.live:
+                                undo.save([dest])
+                            dest.copy_(r.tensor)
+        except BaseException:
+            undo.restore()
+            raise
+        return undo
 
     def _plan_chunk(
         self, entry: TensorEntry, chunk: Chunk, region: _Region, verify: bool
     ) -> tuple[Segment, _Pending] | None:
         t = region.tensor
+        live = region.live
         blocks = len(chunk.checksums)
         if chunk.offsets == region.offsets and chunk.shape == t.shape:  # the common case
             if t.device.type == "cpu" and t.is_contiguous():
-                return Segment(chunk.begin, flat_bytes(t)), _Pending(entry, chunk, 0, blocks, None)
+                return Segment(chunk.begin, flat_bytes(t)), _Pending(
+                    entry, chunk, 0, blocks, None, live
+                )
         shape = tuple(t.shape)
         box = [
             (max(o, co), min(o + s, co + cs))
@@ -202,11 +267,11 @@ class ReadPlan:
                 dst = dst.narrow(dim, lo - ro, hi - lo)
             if dst.device.type == "cpu" and dst.is_contiguous():  # e.g. a row shard
                 return Segment(chunk.begin, flat_bytes(dst)), _Pending(
-                    entry, chunk, 0, blocks, None
+                    entry, chunk, 0, blocks, None, live
                 )
             tmp = torch.empty(chunk.shape, dtype=DTYPES[entry.dtype])
             return Segment(chunk.begin, flat_bytes(tmp)), _Pending(
-                entry, chunk, 0, blocks, (dst, tmp)
+                entry, chunk, 0, blocks, (dst, tmp), live
             )
         # Rows [a, b) of the chunk are needed; verified reads take whole checksum blocks.
         a, b = box[0][0] - chunk.offsets[0], box[0][1] - chunk.offsets[0]
@@ -221,7 +286,33 @@ class ReadPlan:
             src = src.narrow(dim, lo - co - (a if dim == 0 else 0), hi - lo)
             dst = dst.narrow(dim, lo - ro, hi - lo)
         segment = Segment(chunk.begin + a * chunk.row_bytes, flat_bytes(tmp))
-        return segment, _Pending(entry, chunk, first, last - first, (dst, src))
+        return segment, _Pending(entry, chunk, first, last - first, (dst, src), live)
+
+
+# Reads go in batches of this many bytes, each one's undo copy taken while the batch
+# before it is read (docs/benchmarks.md measures what the undo copy costs).
+UNDO_BATCH_BYTES = 256 * 1024 * 1024
+
+
+class Undo:
+    """The old contents of live tensors a load overwrote, to put back if it fails.
+
+    Only CPU tensors are kept here (an undo copy of GPU memory would double it); a GPU
+    destination is written only after every read is verified (docs/reliability.md).
+    """
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def save(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            if t.device.type == "cpu" and t.numel():
+                self._saved.append((t, t.clone(memory_format=torch.preserve_format)))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for live, old in reversed(self._saved):
+                live.copy_(old)
 
 
 def _verify_blocks(ckpt: CommittedCheckpoint, p: _Pending, segment: Segment) -> None:

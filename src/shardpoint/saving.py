@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import __version__, dist
-from .checkpoint_dir import OWN_FILE
+from .checkpoint_dir import OWN_FILE, is_committed
 from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
 from .format.index import (
     INDEX_NAME,
@@ -32,11 +32,19 @@ from .format.index import (
     block_rows_for,
     marker_json,
 )
-from .format.safetensors import PAGE, TensorSlot, dtype_name, encode_header, itemsize, layout
+from .format.safetensors import (
+    PAGE,
+    TensorSlot,
+    dtype_name,
+    encode_header,
+    itemsize,
+    layout,
+    tensor_nbytes,
+)
 from .gc_pause import gc_paused
 from .parallel import map_batched
 from .plan import Holding, Piece, plan_writes
-from .storage import CheckpointStorage, open_storage
+from .storage import CheckpointStorage, WriterLock, open_storage
 from .storage.local import ZERO_COPY_MIN_BYTES, Segment
 from .tensor_kinds import local_part, may_be_replicated
 from .tensor_memory import flat_bytes, host_contiguous, plain
@@ -115,6 +123,12 @@ class SavePlan:
     local: dict[str, torch.Tensor]  # name -> this rank's contiguous bytes of the entry
     tensors: int
     group: Any = None  # the process group of the save's collectives (None: default)
+    lock: WriterLock | None = None  # rank 0: held from preparing the directory to commit
+
+    def unlock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 @dataclass
@@ -143,12 +157,13 @@ def plan_save(
     holdings: list[Holding] = []
     aliases: dict[str, str] = {}
     local: dict[str, torch.Tensor] = {}
+    lock: WriterLock | None = None
     try:
         flat = flatten(state)
         tree_here = flat.tree
         holdings, aliases, local = _holdings(flat.tensors, to_host)
         if me == 0:
-            _prepare_directory(storage)
+            lock = _prepare_directory(storage)
     except CheckpointError as exc:
         own_error = exc
     sole = [h for h in holdings if not h.replicated]
@@ -166,6 +181,8 @@ def plan_save(
         raise own_error
     failed = [g["error"] for g in gathered if g["error"]]
     if failed:
+        if lock is not None:
+            lock.release()
         raise CheckpointError(f"{storage.where}: another rank could not save: {failed[0]}")
     replicated = [[Holding.from_json(h) for h in g["replicated"]] for g in gathered]
     plan = plan_writes([g["sole_bytes"] for g in gathered], replicated)
@@ -180,6 +197,7 @@ def plan_save(
         local,
         len(local) + len(aliases),
         group,
+        lock,
     )
 
 
@@ -192,6 +210,15 @@ def commit(
     The gather doubles as the barrier before commit: rank 0 hears from every rank once
     its files are durable (or failed).
     """
+    try:
+        return _commit(plan, result, metadata, start)
+    finally:
+        plan.unlock()
+
+
+def _commit(
+    plan: SavePlan, result: WriteResult, metadata: dict[str, Any] | None, start: float
+) -> SaveInfo:
     storage, me = plan.storage, plan.rank
     results = dist.gather_json(
         {"files": result.files, "chunks": result.chunks, "error": result.error}, 0, plan.group
@@ -439,6 +466,11 @@ def _holdings(
             dtype = dtype_name(part.dtype)
         except TypeError as exc:
             raise UnsupportedValueError(f"cannot save tensor {name!r}: {exc}") from None
+        if tensor_nbytes(dtype, global_shape) is None:  # readers would refuse it
+            raise UnsupportedValueError(
+                f"cannot save tensor {name!r}: its shape {list(global_shape)} spans 2**63 "
+                "bytes or more (counting empty dimensions as 1), beyond the format's sizes"
+            )
         if part.layout != torch.strided:
             raise UnsupportedValueError(
                 f"cannot save tensor {name!r}: layout {part.layout} is not supported; "
@@ -477,16 +509,20 @@ def _pack(
     return files
 
 
-def _prepare_directory(storage: CheckpointStorage) -> None:
-    """Create the directory; clear what a crashed save left there; never touch a
-    committed checkpoint or anything that is not a checkpoint file."""
+def _prepare_directory(storage: CheckpointStorage) -> WriterLock:
+    """Create and lock the directory; clear what a crashed save left there; never touch
+    a committed checkpoint, anything that is not a checkpoint file, or a directory
+    another process is saving to (``ConcurrentWriterError``). Returns the held lock."""
     where = storage.where
+    lock: WriterLock | None = None
     try:
-        if storage.size(MARKER_NAME) is not None:
-            raise CheckpointExistsError(
-                f"{where}: a committed checkpoint already exists here; checkpoints are never "
-                "modified in place. Save to a new path or delete this one first."
-            )
+        if is_committed(storage):  # checked before creating anything
+            raise _exists(where)
+        storage.prepare()
+        lock = storage.lock()
+        lock.acquire()
+        if is_committed(storage):  # committed by another process since the first look
+            raise _exists(where)
         names = storage.list()
         foreign = [n for n in names if not OWN_FILE.match(n)]
         if foreign:
@@ -496,15 +532,25 @@ def _prepare_directory(storage: CheckpointStorage) -> None:
             )
         for name in names:  # leftovers of a crashed save, never committed
             storage.delete(name)
-        storage.prepare()
-    except CheckpointError:
-        raise
-    except Exception as exc:  # OSError locally; the object store's errors too
-        remove_own(storage, [], remove_directory=True)  # rank 0, before any rank writes
+        return lock
+    except BaseException as exc:
+        if lock is not None:
+            lock.release()
+        if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+            raise
+        # OSError locally; the object store's errors too. Nothing of ours is there yet.
+        remove_own(storage, [], remove_directory=True)
         raise CheckpointError(
             f"{where}: cannot prepare the checkpoint directory ({exc}); nothing was written "
             "and earlier checkpoints are untouched. Check free space and permissions."
         ) from exc
+
+
+def _exists(where: str) -> CheckpointExistsError:
+    return CheckpointExistsError(
+        f"{where}: a committed checkpoint already exists here; checkpoints are never "
+        "modified in place. Save to a new path or delete this one first."
+    )
 
 
 def remove_own(storage: CheckpointStorage, names: Iterable[str], *, remove_directory: bool) -> None:

@@ -91,7 +91,16 @@ def _encode_key(key: object, path: str) -> Any:
 
 def _encode_scalar(value: object, path: str) -> Any:
     kind = type(value)
-    if value is None or kind in (bool, int, str):
+    if kind is str:
+        try:
+            value.encode("utf-8")  # type: ignore[attr-defined]
+        except UnicodeEncodeError:
+            raise UnsupportedValueError(
+                f"cannot save the string at {path or '<root>'!r}: it holds a lone surrogate "
+                f"({value!r}), which is not valid Unicode; fix the text (the index is UTF-8)"
+            ) from None
+        return value
+    if value is None or kind in (bool, int):
         return value
     if kind is float:
         if math.isfinite(value):  # type: ignore[arg-type]
@@ -153,7 +162,10 @@ class LoadMatch:
     materialize: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)  # refused even when not strict
     finish: Callable[[Callable[[str], torch.Tensor]], Any] = lambda tensor: None
+    # Called in reverse order if the load fails: each gives a Stateful its old state back.
+    undo: list[Callable[[], None]] = field(default_factory=list)
 
 
 def match(target: object, node: Any) -> LoadMatch:
@@ -178,9 +190,13 @@ def _match(target: object, node: Any, path: str, m: LoadMatch, *, in_stateful: b
         return lambda tensor: tensor(name)
 
     if is_stateful(target):
-        inner = _match(target.state_dict(), node, path, m, in_stateful=True)  # type: ignore[union-attr]
+        before = target.state_dict()  # type: ignore[union-attr]
+        kept = _copy_containers(before)  # finishing fills ``before``'s containers in place
+        inner = _match(before, node, path, m, in_stateful=True)
 
         def finish_stateful(tensor: Callable[[str], torch.Tensor]) -> Any:
+            # Its tensors are put back first (loading.Undo), then its other state.
+            m.undo.append(lambda: target.load_state_dict(kept))  # type: ignore[union-attr]
             try:
                 target.load_state_dict(inner(tensor))  # type: ignore[union-attr]
             except (RuntimeError, ValueError, KeyError) as exc:
@@ -194,6 +210,8 @@ def _match(target: object, node: Any, path: str, m: LoadMatch, *, in_stateful: b
 
     if tag == "dict" and isinstance(target, dict):
         stored = {_decode_key(k): v for k, v in node["dict"]}
+        if in_stateful and "param_groups" in target and "param_groups" in stored:
+            _match_param_groups(target["param_groups"], stored["param_groups"], path, m)
         children: dict[object, Finisher] = {}
         for key, child in stored.items():
             if key in target:
@@ -235,6 +253,47 @@ def _match(target: object, node: Any, path: str, m: LoadMatch, *, in_stateful: b
     if isinstance(target, torch.Tensor):
         m.missing.append(f"{path} (a tensor in the state, not in the checkpoint)")
     return _materialize(node, m)
+
+
+def _match_param_groups(live: Any, node: Any, path: str, m: LoadMatch) -> None:
+    """An optimizer's parameter groups must hold the same parameters as the stored ones.
+
+    Inside a Stateful, stored keys the live state lacks are loaded rather than refused
+    (a fresh optimizer has no per-parameter state yet), so without this check an
+    optimizer over other parameters would take the checkpoint silently, or be refused
+    by its ``load_state_dict`` only after the model's tensors were overwritten.
+    """
+    try:
+        stored = decode(node, _no_tensor_key)
+        ours = [list(g["params"]) for g in live]
+        theirs = [list(g["params"]) for g in stored]
+    except (TypeError, KeyError, ValueError):
+        return  # not an optimizer's state dict
+    if [len(g) for g in ours] != [len(g) for g in theirs] or (
+        _all_str(ours) and _all_str(theirs) and ours != theirs
+    ):
+        m.mismatched.append(
+            f"{_join(path, 'param_groups')!r}: the optimizer's parameter groups differ "
+            f"(checkpoint {_group_summary(theirs)}, state {_group_summary(ours)}); build the "
+            "optimizer over the same parameters as the saved one"
+        )
+
+
+def _all_str(groups: list[list[Any]]) -> bool:
+    return all(isinstance(p, str) for g in groups for p in g)
+
+
+def _group_summary(groups: list[list[Any]]) -> str:
+    return f"{len(groups)} group(s) of {[len(g) for g in groups]} parameters"
+
+
+def _copy_containers(value: Any) -> Any:
+    """``value`` with every dict and list copied; tensors and other leaves shared."""
+    if isinstance(value, dict):
+        return type(value)((k, _copy_containers(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_copy_containers(v) for v in value]
+    return value
 
 
 def _materialize(node: Any, m: LoadMatch) -> Finisher:

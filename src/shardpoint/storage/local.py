@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import bisect
 import errno
+import fcntl
 import mmap
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..errors import ConcurrentWriterError, CorruptCheckpointError, file_too_large
 from ..format.index import check_file_name
 
 ALIGN = 4096
@@ -37,6 +39,90 @@ ZERO_COPY_MIN_BYTES = 1024 * 1024
 COALESCE_GAP = 64 * 1024
 _DIRECT = getattr(os, "O_DIRECT", 0)
 _MAX_IO = 1 << 30  # Linux moves at most ~2 GiB per call; stay well below it.
+FILE_MODE = 0o644  # data, not programs
+
+
+def open_regular(path: Path, flags: int) -> int:
+    """Open ``path`` for reading, refusing anything but a regular file.
+
+    O_NONBLOCK keeps a FIFO from blocking ``open`` forever (it is a no-op on regular
+    files); the fstat check then refuses FIFOs, sockets, devices and directories.
+    """
+    fd = os.open(path, flags | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CorruptCheckpointError(
+                f"{path}: is a {_kind(mode)}, not a regular file; the checkpoint is damaged "
+                "(or was unpacked wrongly), load an earlier one"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
+@contextmanager
+def typed_read_errors(where: str | os.PathLike[str]) -> Iterator[None]:
+    """Turn an OS error while reading a checkpoint into ``CorruptCheckpointError``.
+
+    Callers (``restore`` above all) fall back to an earlier checkpoint on a
+    ``CheckpointError``; a raw ``PermissionError`` or ``ELOOP`` would end the job instead.
+    """
+    try:
+        yield
+    except OSError as exc:
+        raise CorruptCheckpointError(
+            f"{where}: cannot be read ({exc.strerror or exc}); check its permissions and the "
+            "disk, or load an earlier checkpoint"
+        ) from exc
+
+
+class WriterLock:
+    """An exclusive advisory lock (``flock``) on a directory, held by one writer.
+
+    Two processes saving into one checkpoint directory (e.g. a misconfigured requeue)
+    would delete and overwrite each other's files; the second one is refused instead.
+    The kernel drops the lock when its holder dies, so a crash never leaves it stale.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConcurrentWriterError(
+                f"{self.directory}: another process is writing to or deleting this "
+                "checkpoint right now; two jobs must not share a checkpoint directory. "
+                "Stop the other job or give this one its own directory."
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the lock
+            self._fd = None
 
 
 class Segment:
@@ -109,7 +195,7 @@ def _in_page_cache(path: Path, segments: list[Segment]) -> bool:
     if flag is None or not segments:
         return False
     probe = bytearray(1)
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path, os.O_RDONLY)
     try:
         for offset in (
             segments[0].offset,
@@ -127,13 +213,16 @@ def _in_page_cache(path: Path, segments: list[Segment]) -> bool:
 
 
 def _open(path: Path, flags: int, direct: bool) -> tuple[int, bool]:
+    def attempt(f: int) -> int:
+        return os.open(path, f, FILE_MODE) if flags & os.O_WRONLY else open_regular(path, f)
+
     if direct and _DIRECT:
         try:
-            return os.open(path, flags | _DIRECT), True
+            return attempt(flags | _DIRECT), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-    return os.open(path, flags), False
+    return attempt(flags), False
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -173,6 +262,18 @@ def _copy(dst: Segment, src: Segment, lo: int, hi: int) -> None:
         dst.data[d : d + hi - lo].copy_(src.data[s : s + hi - lo])
 
 
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()  # follows symlinks, as a reader opening the name would
+    except OSError:  # a symlink loop: not a directory, and its readers say what it is
+        return False
+
+
+def _outside(path: Path, top: Path) -> bool:
+    real, root = os.path.realpath(path), os.path.realpath(top)
+    return os.path.commonpath([real, root]) != root
+
+
 def fsync_directory(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -195,35 +296,45 @@ class LocalDirectory:
         return str(self.path(name))
 
     def exists(self) -> bool:
-        return self.root.is_dir()
+        with typed_read_errors(self.root):
+            return self.root.is_dir()
 
     def list(self) -> list[str]:
-        """File names in the directory (none if it does not exist)."""
-        if not self.root.is_dir():
-            return []
-        return sorted(p.name for p in self.root.iterdir() if not p.is_dir())
+        """Names in the directory that are not directories (none if it does not exist):
+        a FIFO or socket is listed, so that the readers refuse it by name."""
+        return sorted(name for name, is_dir in self._entries() if not is_dir)
 
     def subdirectories(self) -> list[str]:
-        if not self.root.is_dir():
-            return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+        return sorted(name for name, is_dir in self._entries() if is_dir)
+
+    def _entries(self) -> list[tuple[str, bool]]:
+        with typed_read_errors(self.root):
+            if not self.root.is_dir():
+                return []
+            with os.scandir(self.root) as it:
+                return [(e.name, _is_dir(e)) for e in it]
 
     def read_range(self, name: str, lo: int, hi: int) -> bytes:
-        fd = os.open(self.path(name), os.O_RDONLY)
-        try:
-            buf = bytearray(hi - lo)
-            n = _pread_into(fd, memoryview(buf), lo)
-            return bytes(buf[:n])
-        finally:
-            os.close(fd)
+        path = self.path(name)
+        with typed_read_errors(path):
+            fd = open_regular(path, os.O_RDONLY)
+            try:
+                buf = bytearray(hi - lo)
+                n = _pread_into(fd, memoryview(buf), lo)
+                return bytes(buf[:n])
+            finally:
+                os.close(fd)
 
     def iter_bytes(self, name: str, block: int) -> Iterator[memoryview]:
         """The file in blocks; each view is valid until the next one is taken."""
+        path = self.path(name)
         buf = bytearray(block)
         view = memoryview(buf)
-        with open(self.path(name), "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                yield view[:n]
+        with typed_read_errors(path):
+            fd = open_regular(path, os.O_RDONLY)
+            with open(fd, "rb", buffering=0) as f:
+                while n := f.readinto(buf):
+                    yield view[:n]
 
     def delete(self, name: str) -> None:
         self.path(name).unlink(missing_ok=True)
@@ -248,6 +359,10 @@ class LocalDirectory:
     def sync(self) -> None:
         fsync_directory(self.root)
 
+    def lock(self) -> WriterLock:
+        """The writer lock of this directory (which must exist to be locked)."""
+        return WriterLock(self.root)
+
     def remove_if_empty(self) -> None:
         try:
             self.root.rmdir()  # only succeeds when nothing else is in the directory
@@ -258,25 +373,38 @@ class LocalDirectory:
         """The path of file ``name``, refusing anything that escapes the directory."""
         check_file_name(name, str(self.root))
         path = self.root / name
-        if path.is_symlink():
-            real, top = os.path.realpath(path), os.path.realpath(self.root)
-            if os.path.commonpath([real, top]) != top:
-                raise CorruptCheckpointError(
-                    f"{path}: symlink points outside the checkpoint directory; refusing to read it"
-                )
+        with typed_read_errors(path):
+            escapes = path.is_symlink() and _outside(path, self.root)
+        if escapes:
+            raise CorruptCheckpointError(
+                f"{path}: symlink points outside the checkpoint directory; refusing to read it"
+            )
         return path
 
     def size(self, name: str) -> int | None:
-        try:
-            return self.path(name).stat().st_size
-        except FileNotFoundError:
-            return None
+        """The size of ``name``, None if it does not exist. Any kind of file has a size;
+        the readers refuse what is not a regular file when they open it."""
+        path = self.path(name)
+        with typed_read_errors(path):
+            try:
+                return path.stat().st_size
+            except FileNotFoundError:
+                return None
 
-    def read_small(self, name: str) -> bytes | None:
-        try:
-            return self.path(name).read_bytes()
-        except FileNotFoundError:
-            return None
+    def read_small(self, name: str, limit: int) -> bytes | None:
+        """The whole of ``name`` (None if it does not exist), refusing one over ``limit``
+        bytes before reading it: a hostile sparse file must not exhaust memory."""
+        path = self.path(name)
+        with typed_read_errors(path):
+            try:
+                fd = open_regular(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            with open(fd, "rb") as f:
+                size = os.fstat(fd).st_size
+                if size > limit:
+                    raise file_too_large(str(path), size, limit)
+                return f.read(limit + 1)[:limit]
 
     def write_small_durably(self, name: str, data: bytes) -> None:
         """Write, fsync, then rename into place: readers see all of ``data`` or nothing."""
@@ -343,8 +471,9 @@ class LocalDirectory:
             for name, segments in requests.items():
                 path, where = self.path(name), str(self.path(name))
                 segments = sorted((s for s in segments if s.end > s.offset), key=lambda s: s.offset)
-                use_direct = direct and not _in_page_cache(path, segments)
-                fd, use_direct = _open(path, os.O_RDONLY, use_direct)
+                with typed_read_errors(path):
+                    use_direct = direct and not _in_page_cache(path, segments)
+                    fd, use_direct = _open(path, os.O_RDONLY, use_direct)
                 fds.append(fd)
                 if use_direct:
                     interiors = _zero_copy_interiors(segments)
@@ -507,7 +636,9 @@ def _read_into(
     fd: int, s: Segment, lo: int, hi: int, where: str, done: _Completion
 ) -> Callable[[], None]:
     def job() -> None:
-        if _pread_into(fd, memoryview(s.array)[lo - s.offset : hi - s.offset], lo) != hi - lo:
+        with typed_read_errors(where):
+            n = _pread_into(fd, memoryview(s.array)[lo - s.offset : hi - s.offset], lo)
+        if n != hi - lo:
             raise _truncated(where, hi)
         done.add(s, hi - lo)
 
@@ -519,7 +650,8 @@ def _bounce_read(
 ) -> Callable[[], None]:
     def job() -> None:
         with _BOUNCE.buffer(lo) as buf:
-            got = _pread_into(fd, memoryview(buf.array)[: hi - lo], lo)
+            with typed_read_errors(where):
+                got = _pread_into(fd, memoryview(buf.array)[: hi - lo], lo)
             for s in _overlapping(segments, lo, hi):
                 a, b = max(s.offset, lo), min(s.end, hi)
                 if b - lo > got:

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, file_too_large
 from ..format.index import check_file_name
 from .local import BLOCK, Segment
 
@@ -115,14 +115,25 @@ class ObjectStoreDirectory:
         except FileNotFoundError:
             return None
 
-    def read_small(self, name: str) -> bytes | None:
+    def read_small(self, name: str, limit: int) -> bytes | None:
+        """The whole object (None if absent), refusing one over ``limit`` bytes before
+        reading its body."""
         try:
-            return bytes(self.obs.get(self.store, self._key(name)).bytes())
+            result = self.obs.get(self.store, self._key(name))
         except FileNotFoundError:
             return None
+        size = int(result.meta["size"])
+        if size > limit:
+            raise file_too_large(self.location(name), size, limit)
+        return bytes(result.bytes())
 
     def read_range(self, name: str, lo: int, hi: int) -> bytes:
         return bytes(self.obs.get_range(self.store, self._key(name), start=lo, end=hi))
+
+    def lock(self) -> _NoLock:
+        """Object stores have no advisory locks: two writers to one prefix are not
+        detected there (docs/storage.md); the marker is still written last."""
+        return _NoLock()
 
     def write_small_durably(self, name: str, data: bytes) -> None:
         """One PUT: S3 makes an object visible whole or not at all."""
@@ -242,3 +253,11 @@ def _each(fn: Callable[[Any], None], items: list[Any], threads: int) -> None:
     with ThreadPoolExecutor(min(threads, len(items)), "shardpoint-object") as pool:
         for future in [pool.submit(fn, item) for item in items]:
             future.result()
+
+
+class _NoLock:
+    def acquire(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass

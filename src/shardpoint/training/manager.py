@@ -22,7 +22,6 @@ from ..background_save import AsyncSave, AsyncSaver
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
-    IncompleteCheckpointError,
     StateMismatchError,
 )
 from ..loading import load
@@ -39,26 +38,39 @@ class EventLog:
     """JSON lines: one object per save, upload, restore, fallback, deletion, signal.
 
     Appended to a local file; on an object store (no append) the object is rewritten.
+    Writing is best effort: a full or read-only disk must not turn a committed save or
+    a restore into a failure, so a failed write is a warning (once), never an error.
     """
 
     NAME = "events.jsonl"
+    MAX_BYTES = 256 * 1024 * 1024
 
     def __init__(self, storage: CheckpointStorage) -> None:
         self.storage = storage
         self._lock = threading.Lock()
+        self._warned = False
 
     def write(self, event: str, **fields: Any) -> None:
         line = json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n"
         with self._lock:
-            if isinstance(self.storage, LocalDirectory):
-                with open(self.storage.path(self.NAME), "a", encoding="utf-8") as f:
-                    f.write(line)
-            else:
-                old = self.storage.read_small(self.NAME) or b""
-                self.storage.write_small_durably(self.NAME, old + line.encode())
+            try:
+                if isinstance(self.storage, LocalDirectory):
+                    with open(self.storage.path(self.NAME), "a", encoding="utf-8") as f:
+                        f.write(line)
+                else:
+                    old = self.storage.read_small(self.NAME, self.MAX_BYTES) or b""
+                    self.storage.write_small_durably(self.NAME, old + line.encode())
+            except Exception as exc:  # OSError (ENOSPC, EROFS...), the object store's too
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(
+                        f"{self.storage.location(self.NAME)}: cannot write the event log "
+                        f"({exc}); training and checkpoints go on without it",
+                        stacklevel=3,
+                    )
 
     def read(self) -> list[dict[str, Any]]:
-        raw = self.storage.read_small(self.NAME) or b""
+        raw = self.storage.read_small(self.NAME, self.MAX_BYTES) or b""
         return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
 
 
@@ -190,11 +202,34 @@ class CheckpointManager:
         return self.remote.steps() if self.remote is not None else []
 
     def _remove_leftovers(self) -> None:
-        """Delete step directories a crashed save, upload or deletion left without a marker."""
+        """Delete step directories a crashed save, upload or deletion left without a marker.
+
+        Best effort: on a read-only mount (an evaluation job) or when another process is
+        saving one of them right now, they stay, and restore still works.
+        """
         for tier in (self.tier, self.remote):
-            for step in tier.leftovers() if tier is not None else []:
-                tier.delete(step)
-                self.events.write("cleanup", step=step, path=str(tier.path_for(step)))
+            try:
+                leftovers = tier.leftovers() if tier is not None else []
+            except CheckpointError as exc:
+                self._cannot_delete(None, exc)
+                continue
+            for step in leftovers:
+                assert tier is not None
+                self._delete(tier, step, "cleanup")
+
+    def _delete(self, source: CheckpointTier, step: int, event: str, **fields: Any) -> None:
+        """Delete one checkpoint, best effort: what cannot be deleted now is reported."""
+        try:
+            source.delete(step)
+        except (OSError, CheckpointError) as exc:  # read-only, permissions, another writer
+            self._cannot_delete(source.path_for(step), exc)
+            return
+        self._log(event, step=step, path=str(source.path_for(step)), **fields)
+
+    def _cannot_delete(self, path: Any, exc: BaseException) -> None:
+        where = path if path is not None else self.directory
+        warnings.warn(f"{where}: left in place, cannot delete it ({exc})", stacklevel=3)
+        self._log("delete_failed", path=str(where), error=str(exc))
 
     # ---- restore --------------------------------------------------------------------------
 
@@ -238,7 +273,7 @@ class CheckpointManager:
                 load(state, path, verify=self.verify == "full", threads=self.threads)
             except StateMismatchError as exc:
                 mismatch, error = exc, f"mismatch: {exc}"
-            except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+            except CheckpointError as exc:  # corrupt, incomplete, unreadable
                 error = str(exc)
             # Ranks agree: a checkpoint is used only if it loaded on every rank.
             errors = [e for e in dist.all_gather_json(error) if e]
@@ -359,7 +394,10 @@ class CheckpointManager:
             reason=reason,
         )
         if dist.rank() == 0:
-            self._apply_retention()
+            try:
+                self._apply_retention()
+            except (OSError, CheckpointError) as exc:  # the save itself stands
+                self._cannot_delete(None, exc)
             if self._uploader is not None:
                 self._uploader.notify(step)
 
@@ -388,8 +426,7 @@ class CheckpointManager:
         keep = self.policy.keep(candidates)
         for c in candidates:
             if c.step not in keep:
-                self.tier.delete(c.step)
-                self._log("delete", step=c.step, path=str(self.path_for(c.step)))
+                self._delete(self.tier, c.step, "delete")
 
     def _apply_remote_retention(self) -> None:
         assert self.remote is not None
@@ -397,8 +434,7 @@ class CheckpointManager:
         keep = self.remote_policy.keep([KeptCheckpoint(s, None) for s in steps])
         for step in steps:
             if step not in keep:
-                self.remote.delete(step)
-                self._log("delete", step=step, path=str(self.remote.path_for(step)), tier="remote")
+                self._delete(self.remote, step, "delete", tier="remote")
 
     def wait_for_uploads(self, timeout: float | None = None) -> bool:
         """Block until the remote tier holds the newest local checkpoint; False on timeout."""

@@ -16,7 +16,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpoint_dir import OWN_FILE, delete_checkpoint, foreign_files
+from ..checkpoint_dir import (
+    MAX_INDEX_BYTES,
+    MAX_MARKER_BYTES,
+    OWN_FILE,
+    delete_checkpoint,
+    foreign_files,
+    is_committed,
+)
 from ..format.index import INDEX_NAME, MARKER_NAME
 from ..storage import CheckpointStorage, join, open_storage
 from ..storage.local import LocalDirectory
@@ -33,8 +40,8 @@ class CheckpointTier:
         self.root = root
         self.options = storage_options
         self.storage = open_storage(root, storage_options)
-        if isinstance(self.storage, LocalDirectory):
-            self.storage.root.mkdir(parents=True, exist_ok=True)
+        if isinstance(self.storage, LocalDirectory) and not self.storage.root.is_dir():
+            self.storage.root.mkdir(parents=True, exist_ok=True)  # skipped on a read-only mount
 
     def path_for(self, step: int) -> Any:
         return join(self.root, f"step-{step:09d}")
@@ -48,7 +55,7 @@ class CheckpointTier:
         )
 
     def committed(self, step: int) -> bool:
-        return self.open(step).size(MARKER_NAME) is not None
+        return is_committed(self.open(step))
 
     def steps(self) -> list[int]:
         """Steps of committed checkpoints, oldest first."""
@@ -62,7 +69,7 @@ class CheckpointTier:
         out = []
         for step in self.step_dirs():
             storage = self.open(step)
-            if storage.size(MARKER_NAME) is None and not foreign_files(storage):
+            if not is_committed(storage) and not foreign_files(storage):
                 out.append(step)
         return out
 
@@ -161,8 +168,8 @@ def upload_checkpoint(source: CheckpointStorage, target: CheckpointStorage, thre
     names = [n for n in source.list() if OWN_FILE.match(n) and not n.endswith(".tmp")]
     shards = [n for n in names if n not in (INDEX_NAME, MARKER_NAME)]
     copy_files(source, target, shards, threads)
-    index = source.read_small(INDEX_NAME)
-    marker = source.read_small(MARKER_NAME)
+    index = source.read_small(INDEX_NAME, MAX_INDEX_BYTES)
+    marker = source.read_small(MARKER_NAME, MAX_MARKER_BYTES)
     if index is None or marker is None:
         raise FileNotFoundError(f"{source.where}: not committed (deleted while uploading?)")
     target.write_small_durably(INDEX_NAME, index)
