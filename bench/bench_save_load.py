@@ -34,7 +34,6 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 
 import shardpoint
-import shardpoint.loading as sp_loading
 import shardpoint.storage.local as sp_local
 
 BLOCK = 16 * 1024 * 1024
@@ -138,19 +137,6 @@ def direct_io(enabled: bool) -> Iterator[None]:
         sp_local._DIRECT = saved
 
 
-@contextmanager
-def undo_copies(enabled: bool) -> Iterator[None]:
-    """shardpoint as is, or without the undo copy that lets a failed load put the live
-    state back (what that guarantee costs; not an option of the library)."""
-    saved = sp_loading.Undo.save
-    if not enabled:
-        sp_loading.Undo.save = lambda self, tensors: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        sp_loading.Undo.save = saved  # type: ignore[method-assign]
-
-
 def contenders(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Callable[..., object]]]:
     """label -> {"save": f(path), "load": f(path, dest)}.
 
@@ -182,17 +168,17 @@ def contenders(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Callable[.
         st.save_file(state, str(p))
         fsync_all(p)
 
-    def sp_load(direct: bool, undo: bool = True) -> Callable[[Path, dict[str, torch.Tensor]], None]:
+    def sp_load(direct: bool, atomic: bool = True) -> Callable[[Path, dict], None]:
         def run(p: Path, dest: dict[str, torch.Tensor]) -> None:
-            with direct_io(direct), undo_copies(undo):
-                shardpoint.load(dest, p)
+            with direct_io(direct):
+                shardpoint.load(dest, p, atomic=atomic)
 
         return run
 
     return {
         "shardpoint": {"save": sp_save(True), "load": sp_load(True)},
         "shardpoint (buffered I/O)": {"save": sp_save(False), "load": sp_load(False)},
-        "shardpoint without undo copy": {"save": sp_save(True), "load": sp_load(True, False)},
+        "shardpoint, atomic=False": {"save": sp_save(True), "load": sp_load(True, False)},
         "torch.save/load": {
             "save": torch_save,
             "load": lambda p, dest: memcpy(torch.load(p, weights_only=True), dest),

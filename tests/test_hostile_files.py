@@ -536,3 +536,23 @@ def test_a_lone_surrogate_or_an_unrepresentable_shape_is_refused_at_save_time(tm
     with pytest.raises(shardpoint.UnsupportedValueError, match="2\\*\\*63"):
         shardpoint.save({"w": torch.empty(0, 2**62)}, tmp_path / "c")
     assert not any(tmp_path.glob("*/*.safetensors"))
+
+
+def test_atomic_false_loads_the_same_values_without_an_undo_copy(ckpt_dir, monkeypatch):
+    from shardpoint import loading
+
+    shardpoint.save(_state(), ckpt_dir)
+    undos: list = []
+    init = loading.Undo.__init__
+
+    def recording(self, enabled):
+        init(self, enabled)
+        undos.append(self)
+
+    monkeypatch.setattr(loading.Undo, "__init__", recording)
+    for atomic, kept in ((False, 0), (True, 3)):  # the three tensors of _state()
+        undos.clear()
+        live = _state(1)
+        shardpoint.load(live, ckpt_dir, atomic=atomic)
+        assert _digest(live) == _digest(_state())
+        assert [len(u._saved) for u in undos] == [kept]

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import re
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardpoint
 from shardpoint.errors import CorruptCheckpointError
-from shardpoint.format.index import INDEX_NAME, parse_index
+from shardpoint.format.index import FORMAT_VERSION, INDEX_NAME, Index, parse_index
 from shardpoint.format.safetensors import DTYPES
 
 
@@ -65,27 +68,64 @@ def _set(doc, path, value):
     return doc
 
 
+def _assert_consistent(index: Index) -> None:
+    """What a parsed index promises its readers, checked here without the parser's code:
+    plain file names, every chunk in a listed file and inside its size, byte lengths that
+    match shapes, chunks that tile their tensor exactly, a tree naming every entry once,
+    and a serialisation that parses back to the same index."""
+    assert 1 <= index.format_version <= FORMAT_VERSION and index.world_size >= 1
+    for file, size in index.files.items():
+        assert re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", file), file
+        assert type(size) is int and 0 <= size < 2**63
+    for name, entry in index.entries.items():
+        itemsize = DTYPES[entry.dtype].itemsize
+        assert all(type(d) is int and 0 <= d < 2**63 for d in entry.shape), name
+        coverage = torch.zeros(entry.shape, dtype=torch.int32)
+        for c in entry.chunks:
+            assert c.file in index.files, (name, c.file)
+            assert 0 <= c.begin <= c.end <= index.files[c.file], (name, c.begin, c.end)
+            assert c.end - c.begin == math.prod(c.shape) * itemsize, (name, c.shape)
+            assert len(c.offsets) == len(c.shape) == len(entry.shape), name
+            assert all(o + s <= d for o, s, d in zip(c.offsets, c.shape, entry.shape)), name
+            rows = c.shape[0] if c.shape else 1
+            assert len(c.checksums) == max(1, -(-rows // c.block_rows)), name
+            assert all(re.fullmatch(r"[0-9a-f]{16}", d) for d in c.checksums), name
+            coverage[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.shape))] += 1
+        # every element of the tensor lies in exactly one chunk
+        assert sum(math.prod(c.shape) for c in entry.chunks) == math.prod(entry.shape), name
+        assert bool((coverage == 1).all()), name
+    for name, target in index.aliases.items():
+        assert target in index.entries and name not in index.entries, name
+    names = index.names()
+    assert sorted(names) == sorted(set(index.entries) | set(index.aliases))
+    assert parse_index(index.to_json(), "index.json") == index
+
+
 @settings(max_examples=400, deadline=None)
 @given(data=st.data())
 def test_any_value_anywhere_in_the_index_gives_a_typed_error_or_a_consistent_index(data):
-    raw = _valid_index()
-    doc = json.loads(raw)
-    paths = list(_paths(doc))
-    path = data.draw(st.sampled_from(paths))
+    doc = json.loads(_valid_index())
+    path = data.draw(st.sampled_from(list(_paths(doc))))
     doc = _set(doc, path, data.draw(json_values))
     try:
-        parse_index(json.dumps(doc).encode(), "index.json")
+        index = parse_index(json.dumps(doc).encode(), "index.json")
     except CorruptCheckpointError:
-        pass
+        return
+    _assert_consistent(index)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=300))
-def test_random_bytes_as_an_index_give_a_typed_error(raw):
+def test_random_bytes_as_an_index_give_a_typed_error_or_a_consistent_index(raw):
     try:
-        parse_index(raw, "index.json")
+        index = parse_index(raw, "index.json")
     except CorruptCheckpointError:
-        pass
+        return
+    _assert_consistent(index)
+
+
+def test_the_unmodified_index_is_consistent():
+    _assert_consistent(parse_index(_valid_index(), "index.json"))
 
 
 def test_deeply_nested_json_is_a_typed_error_not_a_crash():
@@ -95,10 +135,8 @@ def test_deeply_nested_json_is_a_typed_error_not_a_crash():
         + b"]" * 100_000
         + b"}"
     )
-    try:
+    with pytest.raises(CorruptCheckpointError, match="^index.json: not valid UTF-8 JSON"):
         parse_index(raw, "index.json")
-    except CorruptCheckpointError:
-        pass
 
 
 edge_ints = st.sampled_from([-1, 0, 1, 2**31, 2**53 + 1, 2**61, 2**62, 2**63 - 1, 2**63, 2**70])

@@ -7,9 +7,10 @@ into it; otherwise (resharding, other devices, strided tensors) the rows needed 
 read into a temporary tensor and copied once every read is verified.
 
 A load that fails after all (a checksum, an unreadable file, a ``Stateful`` rejecting
-its state) leaves the state as it was: the old bytes of every CPU tensor overwritten
-in place are kept in an undo copy, taken batch by batch just ahead of the reads so
-that the copy overlaps the I/O, and put back on failure (docs/reliability.md).
+its state) leaves the state as it was (``atomic=True``, the default): the old bytes of
+every CPU tensor overwritten in place are kept in an undo copy, taken batch by batch
+just ahead of the reads, and put back on failure (docs/reliability.md). Destinations
+on a GPU need no undo copy: they are written only after every read is verified.
 """
 
 from __future__ import annotations
@@ -44,15 +45,21 @@ def load(
     verify: bool = True,
     threads: int = DEFAULT_THREADS,
     storage_options: dict[str, Any] | None = None,
+    atomic: bool = True,
 ) -> None:
     """Load the checkpoint at ``path`` (a directory or an object-store URL) into
-    ``state`` in place.
+    ``state`` in place, all or nothing.
 
     Tensors in ``state`` are filled in place; ``Stateful`` objects get
     ``load_state_dict`` with their stored state; other values in mappings and lists are
     replaced. With ``strict``, keys missing from the checkpoint or not in ``state``
     raise ``StateMismatchError``; shapes and dtypes must always agree. ``verify``
     checks every chunk's checksum.
+
+    If the load fails, ``state`` is exactly as it was. That costs an undo copy of the
+    CPU tensors loaded in place (their size in memory, and time to fill it:
+    docs/benchmarks.md); ``atomic=False`` skips it, and a failed load then leaves
+    those tensors partly overwritten.
 
     >>> import torch, shardpoint
     >>> state = {"w": torch.zeros(2), "step": 0}
@@ -88,10 +95,12 @@ def load(
     for name, dest in m.destinations.items():
         reads.into(name, dest, live=True)
     loaded = {name: reads.fresh(name) for name in m.materialize}
-    undo = reads.run(threads=threads, verify=verify)
+    undo = reads.run(threads=threads, verify=verify, atomic=atomic)
     try:
         m.finish(lambda name: loaded[name])
     except BaseException:
+        if not atomic:
+            raise
         undo.restore()
         for give_back in reversed(m.undo):
             try:
@@ -175,9 +184,10 @@ class ReadPlan:
             self.into(entry.name, t)
         return self.fresh_tensors[entry.name]
 
-    def run(self, *, threads: int, verify: bool, direct: bool = True) -> Undo:
-        """Read, verify and place every region. On any error the live regions are as
-        before; on success the returned ``Undo`` can still put them back."""
+    def run(self, *, threads: int, verify: bool, direct: bool = True, atomic: bool = False) -> Undo:
+        """Read, verify and place every region. With ``atomic``, on any error the live
+        regions are as before, and on success the returned ``Undo`` can still put them
+        back; without, live regions are written as their reads land."""
         batches: list[dict[str, list[Segment]]] = [{}]
         batch_bytes = 0
         pending: dict[int, _Pending] = {}  # id(segment) -> what it holds
@@ -208,7 +218,7 @@ class ReadPlan:
                 if pending[id(s)].live and pending[id(s)].copy is None
             ]
 
-        undo = Undo()
+        undo = Undo(atomic)
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="shardpoint-undo") as saver:
                 # The undo copy of batch k+1 runs while batch k is read.
@@ -301,10 +311,13 @@ class Undo:
     destination is written only after every read is verified (docs/reliability.md).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def save(self, tensors: list[torch.Tensor]) -> None:
+        if not self.enabled:
+            return
         for t in tensors:
             if t.device.type == "cpu" and t.numel():
                 self._saved.append((t, t.clone(memory_format=torch.preserve_format)))
