@@ -251,7 +251,8 @@ def _commit(
         )
         raise CheckpointError(
             f"{storage.where}: writing the checkpoint failed ({outcome}); nothing was committed "
-            "and earlier checkpoints are untouched. Free disk space or fix permissions, "
+            "and earlier checkpoints are untouched. Fix the cause above (free space, "
+            "permissions, the object store's reachability), "
             "then save again."
         )
     seconds = time.perf_counter() - start
@@ -542,7 +543,8 @@ def _prepare_directory(storage: CheckpointStorage) -> WriterLock:
         remove_own(storage, [], remove_directory=True)
         raise CheckpointError(
             f"{where}: cannot prepare the checkpoint directory ({exc}); nothing was written "
-            "and earlier checkpoints are untouched. Check free space and permissions."
+            "and earlier checkpoints are untouched. Check free space and permissions (or, for "
+            "an object store, that it is reachable)."
         ) from exc
 
 

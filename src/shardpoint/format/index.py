@@ -19,7 +19,16 @@ import xxhash
 
 from .. import tree as tree_codec
 from ..errors import CorruptCheckpointError
-from .safetensors import DTYPES, TOO_LARGE, int64s, int_in, itemsize, lone_surrogate, tensor_nbytes
+from .safetensors import (
+    DTYPES,
+    TOO_LARGE,
+    int64s,
+    int_in,
+    itemsize,
+    lone_surrogate,
+    strict_json,
+    tensor_nbytes,
+)
 
 FORMAT_NAME = "shardpoint"
 FORMAT_VERSION = 1
@@ -190,7 +199,7 @@ def parse_index(raw: bytes, where: str) -> Index:
     """Strictly parse and cross-check an index; raises CorruptCheckpointError naming ``where``."""
     try:
         text = raw.decode("utf-8")
-        doc = json.loads(text)
+        doc = strict_json(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _corrupt(where, f"not valid UTF-8 JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:

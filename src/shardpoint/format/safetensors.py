@@ -16,6 +16,7 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -141,6 +142,22 @@ def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return out
 
 
+def strict_json(text: str, **options: Any) -> Any:
+    """``json.loads`` that refuses what JSON cannot hold: ``NaN``, ``Infinity`` and
+    numbers too large for a float (``1e400``); Python's parser accepts them."""
+
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number")
+
+    def finite(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            raise ValueError(f"{literal} is out of range for a JSON number")
+        return value
+
+    return json.loads(text, parse_constant=no_constant, parse_float=finite, **options)
+
+
 def int_in(value: object, low: int = 0, high: int = INT64_MAX) -> bool:
     """``value`` is an int (not a bool, not a float) with ``low <= value <= high``.
 
@@ -239,7 +256,7 @@ def parse_header(header: bytes, file_size: int, where: str) -> Header:
     if not text.startswith("{"):
         raise bad("does not start with '{'")
     try:
-        doc = json.loads(text, object_pairs_hook=_reject_duplicates)
+        doc = strict_json(text, object_pairs_hook=_reject_duplicates)
     except (ValueError, RecursionError) as exc:
         raise bad(f"not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
