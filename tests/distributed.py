@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 import socket
 import sys
+import time
+import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -39,3 +45,85 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> None:
     mp.start_processes(
         _entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, start_method="spawn"
     )
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank's process ended."""
+
+    rank: int
+    exitcode: int | None  # negative: killed by that signal; None: still running at the timeout
+    exception: str  # "module.Type: message" of the exception the rank raised ("" if none)
+    error: str  # its traceback
+
+    @property
+    def killed_by_sigkill(self) -> bool:
+        return self.exitcode == -signal.SIGKILL
+
+    def __str__(self) -> str:
+        if self.exitcode is None:
+            how = "hung (killed at the timeout)"
+        elif self.exitcode < 0:
+            how = f"killed by {signal.Signals(-self.exitcode).name}"
+        else:
+            how = f"exit code {self.exitcode}"
+        return f"rank {self.rank}: {how}" + (f"\n{self.error}" if self.error else "")
+
+
+def _reporting_entry(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, errors: str
+) -> None:
+    try:
+        _entry(rank, world_size, port, fn, args)  # leaves with os._exit(0)
+    except BaseException as exc:
+        kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        head = f"{kind}: {exc}".replace("\n", " ")  # one line
+        Path(errors, f"rank{rank}.err").write_text(f"{head}\n{traceback.format_exc()}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def run_ranks_outcomes(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    errors: str | os.PathLike[str],
+    timeout: float = 120.0,
+    start_method: str = "fork",
+) -> list[RankOutcome]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes and say how each
+    one ended, without stopping the others when one dies (unlike ``run_ranks``).
+
+    A rank that raises writes its exception and traceback to ``errors/rank{N}.err`` and
+    exits with code 1; one killed by a signal reports it; one still running after
+    ``timeout`` seconds is killed and reported as hung. ``fork`` (the default) starts in
+    milliseconds instead of seconds, for tests that start hundreds of jobs.
+    """
+    Path(errors).mkdir(parents=True, exist_ok=True)
+    for stale in Path(errors).glob("rank*.err"):
+        stale.unlink()
+    ctx = multiprocessing.get_context(start_method)
+    port = _free_port()
+    procs = [
+        ctx.Process(
+            target=_reporting_entry, args=(rank, world_size, port, fn, args, os.fspath(errors))
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    outcomes = []
+    for rank, p in enumerate(procs):
+        p.join(max(0.0, deadline - time.monotonic()))
+        exitcode = p.exitcode
+        if exitcode is None:
+            p.kill()
+            p.join()
+        error_file = Path(errors, f"rank{rank}.err")
+        exception, _, error = (error_file.read_text() if error_file.exists() else "").partition(
+            "\n"
+        )
+        outcomes.append(RankOutcome(rank, exitcode, exception, error))
+    return outcomes

@@ -8,13 +8,14 @@ import http.client
 import random
 import socket
 import threading
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from moto.server import ThreadedMotoServer  # a dev dependency: missing, the tests fail
 
 
 def start_moto() -> tuple[object, str]:
     import logging
-
-    from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
 
@@ -26,7 +27,11 @@ def start_moto() -> tuple[object, str]:
 
 class FaultProxy:
     """HTTP proxy to ``upstream``. ``fault_rate`` of requests fail: half answered with
-    500/503, half with the connection closed before any answer."""
+    500/503, half with the connection closed before any answer.
+
+    ``injected`` counts the faults by kind (``"dropped"``, ``"500"``, ``"503"``). Every
+    random draw happens under one lock, in request order, so a seed decides how many of
+    the first N requests fail whatever the order concurrent requests arrive in."""
 
     def __init__(self, upstream: str, fault_rate: float = 0.0, seed: int = 0) -> None:
         host, port = upstream.removeprefix("http://").split(":")
@@ -35,7 +40,7 @@ class FaultProxy:
         self.random = random.Random(seed)
         self.lock = threading.Lock()
         self.bytes_served = 0  # response bodies of GETs
-        self.faults = 0
+        self.injected: Counter[str] = Counter()
         self.requests = 0
         proxy = self
 
@@ -50,17 +55,16 @@ class FaultProxy:
                 body = self.rfile.read(length) if length else None
                 with proxy.lock:
                     proxy.requests += 1
-                    roll = proxy.random.random()
-                    fault = roll < proxy.fault_rate
+                    fault = proxy._draw_fault()
                     if fault:
-                        proxy.faults += 1
-                if fault and roll < proxy.fault_rate / 2:
+                        proxy.injected[fault] += 1
+                if fault == "dropped":
                     self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)  # dropped, no answer
+                    self.connection.shutdown(socket.SHUT_RDWR)  # no answer
                     return
                 if fault:
                     payload = b"<Error><Code>SlowDown</Code></Error>"
-                    self.send_response(proxy.random.choice([500, 503]))
+                    self.send_response(int(fault))
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
                     self.wfile.write(payload)
@@ -91,6 +95,20 @@ class FaultProxy:
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def faults(self) -> int:
+        """Faults injected so far, of every kind."""
+        return sum(self.injected.values())
+
+    def _draw_fault(self) -> str | None:
+        """The fault for the next request (called under ``lock``), or None."""
+        roll = self.random.random()
+        if roll >= self.fault_rate:
+            return None
+        if roll < self.fault_rate / 2:
+            return "dropped"
+        return self.random.choice(["500", "503"])
 
     def close(self) -> None:
         self.server.shutdown()

@@ -196,9 +196,10 @@ def test_manager_async_saves_commit_log_and_apply_retention(tmp_path):
     manager = CheckpointManager(
         tmp_path, every_n_steps=1, keep_last=2, async_save=True, preemption_signals=()
     )
-    state = _state()
+    state, saved = _state(), {}
     for step in range(1, 5):
         state["step"] = step
+        saved[step] = _clone(state)
         assert isinstance(manager.save(step, state), shardpoint.AsyncSave)
         _mutate(state)
     manager.close()
@@ -208,7 +209,10 @@ def test_manager_async_saves_commit_log_and_apply_retention(tmp_path):
     assert all(e["blocked_seconds"] <= e["seconds"] for e in saves)
     restored = zeros_like_state(state)
     assert CheckpointManager(tmp_path, preemption_signals=()).restore(restored) == 4
-    assert restored["step"] == 4
+    assert_states_equal(restored, saved[4])  # bit for bit, not only the step
+    kept = zeros_like_state(state)
+    load(kept, tmp_path / "step-000000003")
+    assert_states_equal(kept, saved[3])
 
 
 def test_manager_close_raises_a_failed_background_save(tmp_path, monkeypatch):
@@ -237,21 +241,55 @@ def test_preemption_with_an_async_save_in_flight_finishes_it_then_saves(tmp_path
         manager.close()
 
 
-def test_async_state_of_a_module_and_optimizer_round_trips(tmp_path):
-    torch.manual_seed(0)
+def _held_background(monkeypatch) -> threading.Event:  # noqa: ANN001
+    """Hold back every background thread of a save (writers, hasher, commit) until the
+    returned event is set: whatever they read, they read after the test went on."""
+    gate, real = threading.Event(), background._lower_priority
+
+    def held(nice):  # noqa: ANN001, ANN202
+        gate.wait()
+        real(nice)
+
+    monkeypatch.setattr(background, "_lower_priority", held)
+    return gate
+
+
+def _model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Clones of the model's tensors and the optimizer's (exp_avg, exp_avg_sq, step)."""
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, moments in opt.state_dict()["state"].items():
+        out.update({f"optimizer.{i}.{k}": v.clone() for k, v in moments.items()})
+    return out
+
+
+def test_async_state_of_a_module_and_optimizer_is_the_state_at_the_call(tmp_path, monkeypatch):
+    model, opt = _model_and_optimizer(0)
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
-    state = shardpoint.TrainState(model=model, optimizer=opt, step=1)
-    expected = {k: v.clone() for k, v in model.state_dict().items()}
-    handle = shardpoint.async_save(state, tmp_path / "ckpt")
-    opt.step()  # training goes on while the save is written
+    expected = _tensors(model, opt)
+    gate = _held_background(monkeypatch)
+    try:
+        handle = shardpoint.async_save(
+            shardpoint.TrainState(model=model, optimizer=opt, step=1), tmp_path / "ckpt"
+        )
+        assert not handle.done()  # nothing written, hashed or committed yet...
+        opt.step()  # ...while training changes every parameter and moment in place
+        changed = _tensors(model, opt)
+        assert not any(torch.equal(v, expected[k]) for k, v in changed.items())
+    finally:
+        gate.set()
     handle.wait()
-    model2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.01)
+    model2, opt2 = _model_and_optimizer(1)
     load(shardpoint.TrainState(model=model2, optimizer=opt2, step=0), tmp_path / "ckpt")
-    for k, v in model2.state_dict().items():
+    loaded = _tensors(model2, opt2)
+    assert loaded.keys() == expected.keys()
+    for k, v in loaded.items():
         assert torch.equal(v, expected[k]), k
 
 

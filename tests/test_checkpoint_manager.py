@@ -1,6 +1,7 @@
 """CheckpointManager: intervals, retention, fallback to the previous valid checkpoint."""
 
 import json
+import os
 import signal
 
 import pytest
@@ -132,25 +133,88 @@ def test_retention_policy_never_drops_the_newest():
     assert kept == {1, 2}
 
 
-def test_a_crash_during_retention_never_leaves_zero_valid_checkpoints(tmp_path, monkeypatch):
-    import shardpoint.training.tiers as mod
+class _Crash(BaseException):
+    """The process dies here (nothing in the library catches a BaseException)."""
 
-    m = _manager(tmp_path, every_n_steps=1, keep_last=1)
+
+def _crash_deletion_at(monkeypatch, k: int) -> list[str]:
+    """Run retention's real ``delete_checkpoint``, but raise ``_Crash`` in place of its
+    ``k``-th file-system call (0: never). Returns its calls so far as "call file"."""
+    import shardpoint.training.tiers as tiers
+
+    calls: list[str] = []
+    deleting = [False]
+    paths: dict[int, str] = {}  # fd -> name, to say what an fsync was for
+
+    def counted(name: str):  # noqa: ANN202
+        real = getattr(os, name)
+
+        def call(first, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            target = paths.get(first, "?") if isinstance(first, int) else os.path.basename(first)
+            if deleting[0]:
+                calls.append(f"{name} {target}")
+                if len(calls) == k:
+                    raise _Crash(calls[-1])
+            result = real(first, *args, **kwargs)
+            if name == "open":
+                paths[result] = target
+            return result
+
+        return call
+
+    for name in ("open", "fsync", "unlink", "rmdir", "replace"):
+        monkeypatch.setattr(os, name, counted(name))
+
+    def delete_counted(storage) -> None:  # noqa: ANN001
+        deleting[0] = True
+        try:
+            delete_checkpoint(storage)
+        finally:
+            deleting[0] = False
+
+    monkeypatch.setattr(tiers, "delete_checkpoint", delete_counted)
+    return calls
+
+
+def _retention_deletes_step_1(root, monkeypatch, k: int) -> tuple[CheckpointManager, list[str]]:
+    m = CheckpointManager(root, every_n_steps=1, keep_last=1, preemption_signals=())
     m.save(1, _state(1))
+    with monkeypatch.context() as patch:
+        calls = _crash_deletion_at(patch, k)
+        if k == 0:
+            m.save(2, _state(2))
+        else:
+            with pytest.raises(_Crash):
+                m.save(2, _state(2))  # committed, then retention deletes step 1 and crashes
+    return m, calls
 
-    def crash_after_marker(storage):
-        storage.delete(MARKER_NAME)  # the first thing deletion does, then the "crash"
-        raise KeyboardInterrupt
 
-    monkeypatch.setattr(mod, "delete_checkpoint", crash_after_marker)
-    with pytest.raises(KeyboardInterrupt):
-        m.save(2, _state(2))
-    monkeypatch.undo()
-    restarted = _manager(tmp_path, every_n_steps=1, keep_last=1)
-    assert restarted.steps() == [2]
-    assert not restarted.path_for(1).exists()  # the half-deleted leftover was cleaned up
-    dest = _state(0)
-    assert restarted.restore(dest) == 2
+def test_a_crash_during_retention_never_leaves_zero_valid_checkpoints(tmp_path, monkeypatch):
+    """Retention's real deletion crashes at each of its file-system calls in turn. Right
+    after the crash every directory a reader takes for a checkpoint (it has a marker)
+    loads complete; a restarted manager removes the leftover and restores step 2."""
+    m, calls = _retention_deletes_step_1(tmp_path / "no-crash", monkeypatch, 0)
+    assert m.steps() == [2]
+    assert {"unlink COMMITTED", "unlink index.json", "rmdir step-000000001"} <= set(calls), calls
+    for k in range(1, len(calls) + 1):
+        root = tmp_path / f"crash-at-{k}"
+        m, _ = _retention_deletes_step_1(root, monkeypatch, k)
+        assert 2 in m.steps(), (k, calls[k - 1], m.steps())
+        for step in m.steps():  # what readers see right after the crash
+            dest = _state(0)
+            try:
+                shardpoint.load(dest, m.path_for(step))
+            except shardpoint.CheckpointError as exc:
+                raise AssertionError(
+                    f"crash before {calls[k - 1]!r} (call {k} of {len(calls)}): step {step} "
+                    f"looks committed but is damaged: {exc}"
+                ) from exc
+            assert dest["w"].tolist() == [float(step)] * 4 and dest["step"] == step
+        restarted = CheckpointManager(root, every_n_steps=1, keep_last=1, preemption_signals=())
+        assert restarted.steps() in ([1, 2], [2]), (k, restarted.steps())
+        assert restarted.path_for(1).exists() == (restarted.steps() == [1, 2]), k  # no leftover
+        dest = _state(0)
+        assert restarted.restore(dest) == 2 and dest["w"].tolist() == [2.0] * 4
 
 
 def test_leftovers_of_a_crashed_save_are_removed_at_start(tmp_path):

@@ -3,7 +3,12 @@ and CheckpointManager.restore falls back to the previous valid checkpoint."""
 
 from __future__ import annotations
 
+import re
 import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,34 +61,67 @@ def two_checkpoints(tmp_path):
     return manager, files
 
 
-def _damaged_files(manager):
-    return sorted(p.name for p in manager.path_for(2).iterdir())
+@contextmanager
+def _damaged(manager: CheckpointManager, name: str, damage: str) -> Iterator[Path]:
+    """Step 2's checkpoint with ``name`` damaged, put back as it was afterwards."""
+    path = manager.path_for(2)
+    backup = path.parent / "backup"
+    shutil.copytree(path, backup)
+    DAMAGE[damage](path / name)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+        backup.rename(path)
+
+
+def _assert_same_state(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
-def test_damage_to_any_file_is_caught_everywhere(two_checkpoints, damage):
+def test_verify_reports_damage_to_any_file_and_names_it(two_checkpoints, damage):
     manager, files = two_checkpoints
     for name in files:
-        path = manager.path_for(2)
-        backup = path.parent / "backup"
-        shutil.copytree(path, backup)
-        DAMAGE[damage](path / name)
+        with _damaged(manager, name, damage) as path:
+            report = shardpoint.verify(path)
+            problems = report.errors + [e for f in report.files for e in f.errors]
+            assert not report.ok, (damage, name)
+            assert any(name in p for p in problems), (damage, name, problems)
 
-        report = shardpoint.verify(path)
-        assert not report.ok, (damage, name)
-        with pytest.raises((CorruptCheckpointError, IncompleteCheckpointError)) as err:
-            shardpoint.load(_template(), path)
-        assert name in str(err.value) or "commit marker" in str(err.value), (name, str(err.value))
-        state = _template()
-        if damage == "delete" and name == MARKER_NAME:
-            assert manager.restore(state) == 1  # uncommitted: not a checkpoint, no warning
-        else:
-            with pytest.warns(UserWarning, match="step 2 is not usable"):
-                assert manager.restore(state) == 1
-        assert state["step"] == 1 and torch.equal(state["t0"], _state(1)["t0"])
 
-        shutil.rmtree(path)
-        backup.rename(path)
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_loading_a_damaged_file_raises_a_typed_error_naming_the_checkpoint_and_file(
+    two_checkpoints, damage
+):
+    manager, files = two_checkpoints
+    for name in files:
+        with _damaged(manager, name, damage) as path:
+            with pytest.raises((CorruptCheckpointError, IncompleteCheckpointError)) as err:
+                shardpoint.load(_template(), path)
+            message = str(err.value)
+            assert str(path) in message and name in message, (damage, name, message)
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_restore_falls_back_to_every_value_of_the_previous_checkpoint(two_checkpoints, damage):
+    manager, files = two_checkpoints
+    for name in files:
+        with _damaged(manager, name, damage):
+            state = _template()
+            if damage == "delete" and name == MARKER_NAME:
+                with warnings.catch_warnings():  # uncommitted: not a checkpoint, no warning
+                    warnings.simplefilter("error")
+                    assert manager.restore(state) == 1
+            else:
+                with pytest.warns(UserWarning, match=f"step 2 is not usable .*{re.escape(name)}"):
+                    assert manager.restore(state) == 1
+            _assert_same_state(state, _state(1))
 
 
 def test_swapped_shards_and_an_older_index_are_caught(two_checkpoints):

@@ -76,21 +76,22 @@ def test_ddp_replicas_are_written_once_and_balanced(tmp_path):
 
 
 class MLP(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         self.a = nn.Linear(16, 40)  # 40 rows: uneven shards on 3 ranks
+        self.drop = nn.Dropout(dropout)
         self.b = nn.Linear(40, 22)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
+        return self.b(self.drop(torch.relu(self.a(x))))
 
 
-def _fsdp(world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _fsdp(world: int, dropout: float = 0.0) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = MLP()
+    model = MLP(dropout)
     if world > 1:
         mesh = init_device_mesh("cpu", (world,))
         fully_shard(model.a, mesh=mesh)
@@ -98,11 +99,12 @@ def _fsdp(world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, rank: int) -> list[float]:
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[float]:
+    """``steps`` steps on batches drawn from the global torch RNG (as random crops or
+    noise would be), which also draws the dropout masks."""
     losses = []
-    for step in range(steps):
-        g = torch.Generator().manual_seed(step)  # the same global batch on every rank
-        x = torch.randn(8, 16, generator=g)
+    for _ in range(steps):
+        x = torch.randn(8, 16)
         loss = model(x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
@@ -124,7 +126,7 @@ def _full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch
 
 def _fsdp_save(rank: int, world: int, path: str, ref: str) -> None:
     model, opt = _fsdp(world)
-    _train(model, opt, 2, rank)
+    _train(model, opt, 2)
     shardpoint.save({"train": shardpoint.TrainState(model=model, optimizer=opt)}, path)
     full = _full_state(model, opt)
     if rank == 0:
@@ -194,23 +196,31 @@ def test_fsdp2_checkpoint_has_one_chunk_per_shard(fsdp_ckpt):
 
 
 def _fsdp_resume(rank: int, world: int, path: str, out: str) -> None:
-    """Train 2 steps, save, train 3 more; then a fresh job loads and trains the same 3."""
-    model, opt = _fsdp(world)
-    _train(model, opt, 2, rank)
+    """Train 2 steps with dropout, save, train 3 more; then a fresh job (weights and RNG
+    back at their initial state) loads and trains the same 3 — and, to show the losses
+    depend on the RNG streams, one more that loads without restoring them."""
+    model, opt = _fsdp(world, dropout=0.5)
+    torch.manual_seed(100 + rank)  # each rank its own stream of batches and dropout masks
+    _train(model, opt, 2)
     shardpoint.save({"train": shardpoint.TrainState(model=model, optimizer=opt)}, path)
-    straight = _train(model, opt, 3, rank)
-    model2, opt2 = _fsdp(world)
-    shardpoint.load({"train": shardpoint.TrainState(model=model2, optimizer=opt2)}, path)
-    resumed = _train(model2, opt2, 3, rank)
-    if rank == 0:
-        Path(out).write_text(json.dumps({"straight": straight, "resumed": resumed}))
+    losses = {"straight": _train(model, opt, 3)}
+    for run, restore_rng in (("resumed", True), ("resumed_without_rng", False)):
+        model2, opt2 = _fsdp(world, dropout=0.5)
+        train = shardpoint.TrainState(model=model2, optimizer=opt2, capture_rng_state=restore_rng)
+        shardpoint.load({"train": train}, path)
+        losses[run] = _train(model2, opt2, 3)
+    Path(f"{out}.rank{rank}").write_text(json.dumps(losses))
 
 
 def test_fsdp2_training_continues_bit_identical_on_the_same_world_size(tmp_path):
+    """Dropout masks and batches come from each rank's global RNG: the losses match only
+    if the checkpoint gave every rank its own streams back."""
     out = tmp_path / "losses.json"
     run_ranks(2, _fsdp_resume, str(tmp_path / "ckpt"), str(out))
-    losses = json.loads(out.read_text())
-    assert losses["straight"] == losses["resumed"]
+    for rank in range(2):
+        losses = json.loads(Path(f"{out}.rank{rank}").read_text())
+        assert losses["resumed_without_rng"] != losses["straight"], rank  # the RNG matters
+        assert losses["resumed"] == losses["straight"], rank
 
 
 def _mesh_2d_save(rank: int, world: int, path: str, ref: str) -> None:
@@ -349,13 +359,31 @@ def _torchrun(run_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
+def _failed_workers(torchrun_stderr: str) -> dict[int, int]:
+    """Rank -> exit code of every worker torchrun reports as failed (-9: SIGKILL)."""
+    found = re.findall(
+        r"rank\s*: (\d+) \(local_rank: \d+\)\n\s*exitcode\s*: (-?\d+)", torchrun_stderr
+    )
+    return {int(rank): int(code) for rank, code in found}
+
+
+def _logged_steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
 def test_ddp_job_killed_with_sigkill_resumes_bit_identical(tmp_path):
     reference = tmp_path / "reference"
     done = _torchrun(reference)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "run"
     killed = _torchrun(run, "--crash-at", "17")
-    assert killed.returncode != 0  # every rank was SIGKILLed at step 17
+    # The job died because its workers were SIGKILLed, and at step 17: not of any other
+    # failure (an exception, a failed start), which would also exit nonzero.
+    failed = _failed_workers(killed.stderr)
+    assert killed.returncode != 0 and failed, killed.stderr[-3000:]
+    assert set(failed) <= {0, 1} and set(failed.values()) == {-9}, killed.stderr[-3000:]
+    for losses in ("losses.jsonl", "losses.rank1.jsonl"):
+        assert _logged_steps(run / losses) == list(range(1, 18)), losses
     resumed = _torchrun(run)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from step 10" in resumed.stdout

@@ -144,6 +144,31 @@ def test_a_corrupt_memory_copy_is_never_used(tmp_path, monkeypatch):
     assert torch.equal(state["w"], torch.ones(1000))
 
 
+@pytest.mark.parametrize("wrong", ["rank", "world_size", "step"])
+def test_a_memory_copy_tagged_with_another_rank_world_size_or_step_is_refused(
+    tmp_path, monkeypatch, wrong
+):
+    monkeypatch.setenv("SHARDPOINT_SHM_DIR", str(tmp_path / "shm"))
+    manager = CheckpointManager(
+        tmp_path / "disk", every_n_steps=1, memory_every_n_steps=1, preemption_signals=()
+    )
+    manager.maybe_save(1, {"w": torch.ones(1000)})  # on disk and in memory
+    # Step 2's copy where this rank looks for it: a complete, intact checkpoint of the
+    # right shape, but tagged (like every memory copy) as another rank's, another world
+    # size's or another step's state.
+    identity = {"rank": 0, "world_size": 1, "step": 2}
+    identity[wrong] += 1
+    shardpoint.save(
+        {"w": torch.full((1000,), 2.0)},
+        manager.memory.own_dir(2),
+        metadata={"memory_tier": identity},
+    )
+    state = {"w": torch.zeros(1000)}
+    with pytest.warns(UserWarning, match="belongs to"):
+        assert manager.restore(state) == 1  # the disk tier, not the foreign copy
+    assert torch.equal(state["w"], torch.ones(1000))
+
+
 def test_memory_budget_and_release(tmp_path):
     tier = MemoryTier("job", root=tmp_path, max_bytes=1000)
     with pytest.raises(CheckpointError, match="exceed max_bytes"):
