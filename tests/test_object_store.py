@@ -197,6 +197,28 @@ def test_a_save_that_cannot_reach_the_store_fails_without_committing(s3, monkeyp
     )
 
 
+def test_a_load_from_an_unreachable_store_is_a_typed_error_and_changes_nothing(s3, monkeypatch):
+    url = f"{s3['url']}/then-down"
+    shardpoint.save(_state(1), url)
+    proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"], fault_rate=1.0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    opts = {
+        "retry_config": {
+            "max_retries": 1,
+            "retry_timeout": __import__("datetime").timedelta(seconds=5),
+        }
+    }
+    live = zeros_like_state(_state(1))
+    try:
+        with pytest.raises(CorruptCheckpointError, match="cannot be read"):
+            shardpoint.load(live, url, storage_options=opts)
+        assert not shardpoint.verify(url, storage_options=opts).ok  # reports, never raises
+    finally:
+        proxy.close()
+        monkeypatch.undo()
+    assert_states_equal(live, zeros_like_state(_state(1)))
+
+
 # ---- the manager on a URL, and tiered --------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -101,34 +102,39 @@ class ObjectStoreDirectory:
     def list(self) -> list[str]:
         """Object names directly under the prefix."""
         prefix = f"{self.prefix}/" if self.prefix else ""
-        listing = self.obs.list_with_delimiter(self.store, prefix=prefix or None)
+        with _typed_read_errors(self.where):
+            listing = self.obs.list_with_delimiter(self.store, prefix=prefix or None)
         return sorted(m["path"][len(prefix) :] for m in listing["objects"])
 
     def subdirectories(self) -> list[str]:
         prefix = f"{self.prefix}/" if self.prefix else ""
-        listing = self.obs.list_with_delimiter(self.store, prefix=prefix or None)
+        with _typed_read_errors(self.where):
+            listing = self.obs.list_with_delimiter(self.store, prefix=prefix or None)
         return sorted(p[len(prefix) :].rstrip("/") for p in listing["common_prefixes"])
 
     def size(self, name: str) -> int | None:
-        try:
-            return int(self.obs.head(self.store, self._key(name))["size"])
-        except FileNotFoundError:
-            return None
+        with _typed_read_errors(self.location(name)):
+            try:
+                return int(self.obs.head(self.store, self._key(name))["size"])
+            except FileNotFoundError:
+                return None
 
     def read_small(self, name: str, limit: int) -> bytes | None:
         """The whole object (None if absent), refusing one over ``limit`` bytes before
         reading its body."""
-        try:
-            result = self.obs.get(self.store, self._key(name))
-        except FileNotFoundError:
-            return None
-        size = int(result.meta["size"])
-        if size > limit:
-            raise file_too_large(self.location(name), size, limit)
-        return bytes(result.bytes())
+        with _typed_read_errors(self.location(name)):
+            try:
+                result = self.obs.get(self.store, self._key(name))
+            except FileNotFoundError:
+                return None
+            size = int(result.meta["size"])
+            if size > limit:
+                raise file_too_large(self.location(name), size, limit)
+            return bytes(result.bytes())
 
     def read_range(self, name: str, lo: int, hi: int) -> bytes:
-        return bytes(self.obs.get_range(self.store, self._key(name), start=lo, end=hi))
+        with _typed_read_errors(self.location(name)):
+            return bytes(self.obs.get_range(self.store, self._key(name), start=lo, end=hi))
 
     def lock(self) -> _NoLock:
         """Object stores have no advisory locks: two writers to one prefix are not
@@ -207,13 +213,14 @@ class ObjectStoreDirectory:
                     on_segment(s)
             if not wanted:
                 return
-            got = self.obs.get_ranges(
-                self.store,
-                self._key(name),
-                starts=[s.offset for s in wanted],
-                ends=[s.end for s in wanted],
-                coalesce=COALESCE,
-            )
+            with _typed_read_errors(self.location(name)):
+                got = self.obs.get_ranges(
+                    self.store,
+                    self._key(name),
+                    starts=[s.offset for s in wanted],
+                    ends=[s.end for s in wanted],
+                    coalesce=COALESCE,
+                )
             for s, data in zip(wanted, got):
                 view = memoryview(data)
                 if len(view) != s.end - s.offset:
@@ -230,6 +237,31 @@ class ObjectStoreDirectory:
         size = self.size(name) or 0
         for lo in range(0, size, block):
             yield memoryview(self.read_range(name, lo, min(lo + block, size)))
+
+
+@contextmanager
+def _typed_read_errors(where: str) -> Iterator[None]:
+    """A store that stays unreachable after the retries (network, credentials, 5xx) is a
+    ``CorruptCheckpointError`` on reads, so that restore falls back to another copy."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise  # "absent" is an answer the callers handle
+    except OSError as exc:
+        raise _unreadable(where, exc) from exc
+    except Exception as exc:
+        from obstore.exceptions import BaseError
+
+        if not isinstance(exc, BaseError):
+            raise
+        raise _unreadable(where, exc) from exc
+
+
+def _unreadable(where: str, exc: BaseException) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{where}: cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0]}); check "
+        "the store's address, credentials and network, or load an earlier checkpoint"
+    )
 
 
 def _parts(segments: list[Segment], size: int) -> Iterator[memoryview]:

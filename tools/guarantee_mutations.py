@@ -1,0 +1,313 @@
+"""Break each guarantee of docs/reliability.md on purpose and check its test notices.
+
+    python tools/guarantee_mutations.py            # every mutation (about 6 minutes)
+    python tools/guarantee_mutations.py --only lock,undo
+
+Each mutation is a small edit of the library source that breaks one mechanism (the
+commit order, a checksum check, the undo copy...). The tool applies it to the file in
+place — so subprocesses, spawned ranks and torchrun workers run the broken code too —
+runs the tests named for that guarantee, and restores the file byte for byte, also on
+Ctrl-C. A mutation the tests do not notice ("SURVIVED") is a test that proves less than
+the docs say. Exit status 1 if any survived. Not part of the test run: it edits src/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    guarantee: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+HOSTILE = "tests/test_hostile_files.py::"
+MUTATIONS = [
+    Mutation(
+        "marker before index",
+        "visible ⇒ complete",
+        "src/shardpoint/saving.py",
+        "                storage.write_small_durably(INDEX_NAME, index_bytes)\n"
+        "                storage.sync()\n"
+        "                storage.write_small_durably(MARKER_NAME, marker_json(index_bytes))\n",
+        "                storage.write_small_durably(MARKER_NAME, marker_json(index_bytes))\n"
+        "                storage.sync()\n"
+        "                storage.write_small_durably(INDEX_NAME, index_bytes)\n",
+        (
+            "tests/test_crash_consistency.py::test_sigkill_at_any_point_never_loses_a_committed_checkpoint",
+        ),
+    ),
+    Mutation(
+        "no marker on 2 ranks",
+        "visible ⇒ complete (2 ranks)",
+        "src/shardpoint/saving.py",
+        "                storage.write_small_durably(MARKER_NAME, marker_json(index_bytes))\n",
+        "                if len(results) == 1:\n"
+        "                    storage.write_small_durably(MARKER_NAME, marker_json(index_bytes))\n",
+        (
+            "tests/test_crash_consistency.py::"
+            "test_sigkill_of_one_rank_during_a_two_rank_save_never_exposes_a_partial_checkpoint",
+        ),
+    ),
+    Mutation(
+        "marker deleted last",
+        "a committed checkpoint is never modified",
+        "src/shardpoint/checkpoint_dir.py",
+        "        if storage.size(MARKER_NAME) is not None:\n"
+        "            storage.delete(MARKER_NAME)\n"
+        "            storage.sync()\n"
+        "        for name in storage.list():\n"
+        "            if OWN_FILE.match(name):\n",
+        "        for name in storage.list():\n"
+        "            if OWN_FILE.match(name) and name != MARKER_NAME:\n",
+        (
+            "tests/test_checkpoint_manager.py::"
+            "test_a_crash_during_retention_never_leaves_zero_valid_checkpoints",
+        ),
+    ),
+    Mutation(
+        "checksum mismatch ignored",
+        "every byte is checked",
+        "src/shardpoint/loading.py",
+        "        if checksum(data[i * step : (i + 1) * step]) != p.chunk.checksums[block]:",
+        "        if False:",
+        ("tests/test_corruption_matrix.py",),
+    ),
+    Mutation(
+        "chunk tiling not checked",
+        "hostile input gives typed errors only",
+        "src/shardpoint/format/index.py",
+        "        _check_cover(name, shape, chunks, where)\n",
+        "",
+        (
+            "tests/test_hostile_input.py::"
+            "test_any_value_anywhere_in_the_index_gives_a_typed_error_or_a_consistent_index",
+            "tests/test_integrity.py",
+        ),
+    ),
+    Mutation(
+        "no retries",
+        "object stores: transient faults survived",
+        "src/shardpoint/storage/object_store.py",
+        '    "max_retries": 10,',
+        '    "max_retries": 0,',
+        (
+            "tests/test_object_store.py::"
+            "test_saves_and_loads_survive_injected_500s_503s_and_dropped_connections",
+        ),
+    ),
+    Mutation(
+        "raw object-store errors",
+        "every error on a read is typed (object stores)",
+        "src/shardpoint/storage/object_store.py",
+        "        if not isinstance(exc, BaseError):\n            raise\n",
+        "        raise\n",
+        (
+            "tests/test_object_store.py::"
+            "test_a_load_from_an_unreachable_store_is_a_typed_error_and_changes_nothing",
+        ),
+    ),
+    Mutation(
+        "memory copy identity unchecked",
+        "memory tier: never a stale or partial copy",
+        "src/shardpoint/training/memory_tier.py",
+        '            if meta != self._identity(step)["memory_tier"]:',
+        "            if False:",
+        (
+            "tests/test_memory_tier.py::"
+            "test_a_memory_copy_tagged_with_another_rank_world_size_or_step_is_refused",
+        ),
+    ),
+    Mutation(
+        "pickle on a load path",
+        "no pickle",
+        "src/shardpoint/tree.py",
+        "    if not isinstance(node, dict):\n        return node\n",
+        "    if not isinstance(node, dict):\n        return node\n"
+        "    from pickle import loads\n\n"
+        "    if isinstance(node, bytes):\n"
+        "        return loads(node)\n",
+        ("tests/test_no_pickle.py",),
+    ),
+    Mutation(
+        "RNG not restored",
+        "exact resume",
+        "src/shardpoint/training/rng.py",
+        'def restore_rng(state: dict[str, Any]) -> None:\n    py = state["python"]\n',
+        'def restore_rng(state: dict[str, Any]) -> None:\n    return\n    py = state["python"]\n',
+        (
+            "tests/test_rng.py",
+            "tests/test_distributed.py::test_fsdp2_training_continues_bit_identical_on_the_same_world_size",
+        ),
+    ),
+    Mutation(
+        "FIFO blocks open",
+        "a special file never hangs a reader",
+        "src/shardpoint/storage/local.py",
+        "    fd = os.open(path, flags | os.O_NONBLOCK)",
+        "    fd = os.open(path, flags)",
+        (
+            HOSTILE
+            + "test_a_special_file_in_place_of_a_checkpoint_file_is_a_typed_error_for_every_reader",
+        ),
+    ),
+    Mutation(
+        "raw OS errors",
+        "every OS error on a read is typed",
+        "src/shardpoint/storage/local.py",
+        "    except OSError as exc:\n        raise CorruptCheckpointError(\n"
+        '            f"{where}: cannot be read',
+        "    except ZeroDivisionError as exc:\n        raise CorruptCheckpointError(\n"
+        '            f"{where}: cannot be read',
+        (
+            HOSTILE + "test_an_os_error_at_any_read_of_a_load_is_typed_and_leaves_the_state_"
+            "unchanged",
+        ),
+    ),
+    Mutation(
+        "undo",
+        "a failed load changes nothing",
+        "src/shardpoint/loading.py",
+        '            if t.device.type == "cpu" and t.numel():\n                self._saved',
+        "            if False:\n                self._saved",
+        (HOSTILE + "test_a_corrupt_second_tensor_leaves_every_tensor_unchanged",),
+    ),
+    Mutation(
+        "undo not waited for",
+        "a failed load changes nothing",
+        "src/shardpoint/loading.py",
+        "                    ahead.result()\n",
+        "",
+        (HOSTILE + "test_a_corrupt_tensor_read_in_later_batches_leaves_every_tensor_unchanged",),
+    ),
+    Mutation(
+        "no Stateful roll-back",
+        "a failed load changes nothing",
+        "src/shardpoint/loading.py",
+        "        for give_back in reversed(m.undo):",
+        "        for give_back in []:",
+        (HOSTILE + "test_a_stateful_that_rejects_its_state_rolls_back_every_tensor_and_stateful",),
+    ),
+    Mutation(
+        "optimizer groups unchecked",
+        "a failed load changes nothing",
+        "src/shardpoint/tree.py",
+        '            _match_param_groups(target["param_groups"], stored["param_groups"], path, m)',
+        "            pass",
+        (
+            HOSTILE + "test_an_optimizer_over_fewer_parameters_is_refused_before_the_model_changes",
+            HOSTILE + "test_a_train_state_with_an_optimizer_over_fewer_parameters_is_refused",
+        ),
+    ),
+    Mutation(
+        "event log raises",
+        "writes after the commit are best effort",
+        "src/shardpoint/training/manager.py",
+        "            except Exception as exc:  # OSError (ENOSPC, EROFS...), the object store's "
+        "too",
+        "            except ZeroDivisionError as exc:",
+        (HOSTILE + "test_a_full_disk_for_the_event_log_fails_neither_the_save_nor_retention",),
+    ),
+    Mutation(
+        "deletion failure raises",
+        "read-only checkpoints restore and list",
+        "src/shardpoint/training/manager.py",
+        "        except (OSError, CheckpointError) as exc:  # read-only, permissions, "
+        "another writer",
+        "        except ZeroDivisionError as exc:",
+        (HOSTILE + "test_restore_and_listing_work_on_a_read_only_directory_with_a_leftover",),
+    ),
+    Mutation(
+        "lock",
+        "two writers on one directory are refused",
+        "src/shardpoint/storage/local.py",
+        "            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
+        "            pass",
+        (HOSTILE + "test_a_save_into_a_directory_another_process_is_saving_to_is_refused",),
+    ),
+    Mutation(
+        "lock after leftovers",
+        "two writers on one directory are refused",
+        "src/shardpoint/saving.py",
+        "        lock = storage.lock()\n        lock.acquire()\n",
+        "        lock = None\n",
+        (
+            HOSTILE + "test_two_processes_saving_the_same_steps_never_report_a_checkpoint_that_"
+            "is_not_there",
+        ),
+    ),
+    Mutation(
+        "no index size limit",
+        "sizes readers could not handle are refused",
+        "src/shardpoint/storage/local.py",
+        "                if size > limit:",
+        "                if False:",
+        (HOSTILE + "test_a_huge_sparse_index_is_refused_before_it_is_read",),
+    ),
+]
+
+
+def run(m: Mutation) -> tuple[bool, float, str]:
+    """Apply ``m``, run its tests, restore the file; (killed, seconds, last line)."""
+    path = ROOT / m.file
+    original = path.read_bytes()
+    text = original.decode()
+    if text.count(m.old) != 1:
+        raise SystemExit(f"{m.name}: the text to replace is not found exactly once in {m.file}")
+    mutated = text.replace(m.old, m.new)
+    compile(mutated, m.file, "exec")  # a mutant that does not even parse proves nothing
+    start = time.perf_counter()
+    try:
+        path.write_text(mutated)
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        # The first failure says why the tests noticed: it must be the broken guarantee.
+        why = [ln for ln in done.stdout.splitlines() if ln.startswith(("E ", "FAILED"))]
+        return done.returncode != 0, time.perf_counter() - start, " ".join(why[:1])
+    except subprocess.TimeoutExpired:
+        return True, time.perf_counter() - start, "timed out (a hang counts as noticed)"
+    finally:
+        path.write_bytes(original)
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # so that ``run`` restores the file it mutated
+
+
+def main() -> int:
+    signal.signal(signal.SIGTERM, _stop)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="comma-separated mutation names (default: all)")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only.split(",")]
+    survived = 0
+    print(f"{'mutation':32} {'guarantee':44} result   seconds")
+    for m in chosen:
+        killed, seconds, last = run(m)
+        survived += not killed
+        verdict = "killed" if killed else "SURVIVED"
+        print(f"{m.name:32} {m.guarantee:44} {verdict:8} {seconds:7.1f}   {last[:70]}", flush=True)
+    print(f"{len(chosen) - survived} of {len(chosen)} mutations noticed by their tests")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
