@@ -406,3 +406,26 @@ def _one_rank_refuses(rank: int, world: int, path: str) -> None:
 def test_a_value_refused_on_one_rank_fails_every_rank_without_hanging(tmp_path):
     run_ranks(2, _one_rank_refuses, str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt" / MARKER_NAME).exists()
+
+
+class _BrokenStateDict:
+    def state_dict(self) -> dict:
+        raise RuntimeError("user code failed")
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def _one_rank_raises_in_user_code(rank: int, world: int, path: str) -> None:
+    state = {"w": torch.ones(3), "extra": _BrokenStateDict() if rank == 1 else {}}
+    if rank == 1:
+        with pytest.raises(RuntimeError, match="user code failed"):
+            shardpoint.save(state, path)
+    else:
+        with pytest.raises(shardpoint.CheckpointError, match="another rank could not save: rank 1"):
+            shardpoint.save(state, path)
+
+
+def test_any_exception_on_one_rank_before_the_gather_fails_every_rank_without_hanging(tmp_path):
+    run_ranks(2, _one_rank_raises_in_user_code, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt" / MARKER_NAME).exists()

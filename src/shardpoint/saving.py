@@ -151,8 +151,9 @@ def plan_save(
     """
     me = dist.rank()
     # A rank that fails before the collective still joins it, with its error, so that
-    # no other rank waits forever; then every rank raises.
-    own_error: CheckpointError | None = None
+    # no other rank waits forever; then every rank raises. Any exception counts: a
+    # user's state_dict() may raise anything.
+    own_error: Exception | None = None
     tree_here: Any = None
     holdings: list[Holding] = []
     aliases: dict[str, str] = {}
@@ -164,7 +165,7 @@ def plan_save(
         holdings, aliases, local = _holdings(flat.tensors, to_host)
         if me == 0:
             lock = _prepare_directory(storage)
-    except CheckpointError as exc:
+    except Exception as exc:
         own_error = exc
     sole = [h for h in holdings if not h.replicated]
     gathered = dist.all_gather_json(
