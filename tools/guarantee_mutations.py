@@ -189,7 +189,7 @@ MUTATIONS = [
         "undo not waited for",
         "a failed load changes nothing",
         "src/shardpoint/loading.py",
-        "                    ahead.result()\n",
+        "                    for piece in ahead:\n                        piece.result()\n",
         "",
         (HOSTILE + "test_a_corrupt_tensor_read_in_later_batches_leaves_every_tensor_unchanged",),
     ),

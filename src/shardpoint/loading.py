@@ -220,13 +220,17 @@ class ReadPlan:
 
         undo = Undo(atomic)
         try:
-            with ThreadPoolExecutor(1, thread_name_prefix="shardpoint-undo") as saver:
-                # The undo copy of batch k+1 runs while batch k is read.
-                ahead: Future[None] = saver.submit(undo.save, in_place(batches[0]))
+            # The undo copy of batch k+1 runs while batch k is read, in pieces on up to
+            # half the cores: filling fresh memory is what it costs, not the copy, and
+            # the other half keep the reads and checksums going.
+            workers = max(1, min(threads, (os.cpu_count() or 2) // 2))
+            with ThreadPoolExecutor(workers, thread_name_prefix="shardpoint-undo") as saver:
+                ahead = undo.save_ahead(saver, in_place(batches[0]))
                 for k, batch in enumerate(batches):
-                    ahead.result()
+                    for piece in ahead:
+                        piece.result()
                     if k + 1 < len(batches):
-                        ahead = saver.submit(undo.save, in_place(batches[k + 1]))
+                        ahead = undo.save_ahead(saver, in_place(batches[k + 1]))
                     self.ckpt.storage.read_ranges(
                         batch,
                         threads=threads,
@@ -302,6 +306,7 @@ class ReadPlan:
 # Reads go in batches of this many bytes, each one's undo copy taken while the batch
 # before it is read (docs/benchmarks.md measures what the undo copy costs).
 UNDO_BATCH_BYTES = 256 * 1024 * 1024
+UNDO_PIECE_BYTES = 32 * 1024 * 1024
 
 
 class Undo:
@@ -321,6 +326,16 @@ class Undo:
         for t in tensors:
             if t.device.type == "cpu" and t.numel():
                 self._saved.append((t, t.clone(memory_format=torch.preserve_format)))
+
+    def save_ahead(self, pool: ThreadPoolExecutor, tensors: list[torch.Tensor]) -> list[Future]:
+        """Save ``tensors`` (flat byte views) on ``pool``, in pieces of UNDO_PIECE_BYTES."""
+        if not self.enabled:
+            return []
+        return [
+            pool.submit(self.save, [t[lo : lo + UNDO_PIECE_BYTES]])
+            for t in tensors
+            for lo in range(0, t.numel(), UNDO_PIECE_BYTES)
+        ]
 
     def restore(self) -> None:
         with torch.no_grad():
