@@ -393,21 +393,6 @@ def test_ddp_job_killed_with_sigkill_resumes_bit_identical(tmp_path):
     assert index["world_size"] == 2
 
 
-def _one_rank_refuses(rank: int, world: int, path: str) -> None:
-    state = {"w": torch.ones(3), "ranks": {rank: {1, 2} if rank == 1 else 0}}  # a set: no pickle
-    if rank == 1:
-        with pytest.raises(shardpoint.UnsupportedValueError, match="ranks.1"):
-            shardpoint.save(state, path)
-    else:
-        with pytest.raises(shardpoint.CheckpointError, match="another rank could not save: rank 1"):
-            shardpoint.save(state, path)
-
-
-def test_a_value_refused_on_one_rank_fails_every_rank_without_hanging(tmp_path):
-    run_ranks(2, _one_rank_refuses, str(tmp_path / "ckpt"))
-    assert not (tmp_path / "ckpt" / MARKER_NAME).exists()
-
-
 class _BrokenStateDict:
     def state_dict(self) -> dict:
         raise RuntimeError("user code failed")
@@ -416,16 +401,25 @@ class _BrokenStateDict:
         pass
 
 
-def _one_rank_raises_in_user_code(rank: int, world: int, path: str) -> None:
-    state = {"w": torch.ones(3), "extra": _BrokenStateDict() if rank == 1 else {}}
+# What rank 1 holds, and what its own save raises; rank 0 must hear of it, not hang.
+RANK_1_FAILURES = {
+    "a value without a JSON form": (lambda: {1, 2}, shardpoint.UnsupportedValueError, "ranks.1"),
+    "user code raising": (_BrokenStateDict, RuntimeError, "user code failed"),
+}
+
+
+def _one_rank_fails(rank: int, world: int, path: str, case: str) -> None:
+    value, error, match = RANK_1_FAILURES[case]
+    state = {"w": torch.ones(3), "ranks": {rank: value() if rank == 1 else 0}}
     if rank == 1:
-        with pytest.raises(RuntimeError, match="user code failed"):
+        with pytest.raises(error, match=match):
             shardpoint.save(state, path)
     else:
         with pytest.raises(shardpoint.CheckpointError, match="another rank could not save: rank 1"):
             shardpoint.save(state, path)
 
 
-def test_any_exception_on_one_rank_before_the_gather_fails_every_rank_without_hanging(tmp_path):
-    run_ranks(2, _one_rank_raises_in_user_code, str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("case", list(RANK_1_FAILURES))
+def test_a_failure_on_one_rank_before_the_gather_fails_every_rank_without_hanging(tmp_path, case):
+    run_ranks(2, _one_rank_fails, str(tmp_path / "ckpt"), case)
     assert not (tmp_path / "ckpt" / MARKER_NAME).exists()

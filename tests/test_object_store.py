@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import uuid
+from datetime import timedelta
 
 import boto3
 import obstore  # noqa: F401 - the backend under test: missing, these tests fail (never skip)
@@ -176,18 +177,16 @@ def test_saves_and_loads_survive_injected_500s_503s_and_dropped_connections(s3, 
     assert _uploads_in_progress(s3) == []  # a failed multipart upload is aborted
 
 
+# A store that stays down: give up after a few seconds instead of the default minutes.
+FEW_RETRIES = {"retry_config": {"max_retries": 2, "retry_timeout": timedelta(seconds=5)}}
+
+
 def test_a_save_that_cannot_reach_the_store_fails_without_committing(s3, monkeypatch):
     proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"], fault_rate=1.0)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    opts = {
-        "retry_config": {
-            "max_retries": 2,
-            "retry_timeout": __import__("datetime").timedelta(seconds=5),
-        }
-    }
     try:
         with pytest.raises(CheckpointError):
-            shardpoint.save(_state(1), f"{s3['url']}/down", storage_options=opts)
+            shardpoint.save(_state(1), f"{s3['url']}/down", storage_options=FEW_RETRIES)
     finally:
         proxy.close()
     monkeypatch.undo()
@@ -202,17 +201,11 @@ def test_a_load_from_an_unreachable_store_is_a_typed_error_and_changes_nothing(s
     shardpoint.save(_state(1), url)
     proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"], fault_rate=1.0)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    opts = {
-        "retry_config": {
-            "max_retries": 1,
-            "retry_timeout": __import__("datetime").timedelta(seconds=5),
-        }
-    }
     live = zeros_like_state(_state(1))
     try:
         with pytest.raises(CorruptCheckpointError, match="cannot be read"):
-            shardpoint.load(live, url, storage_options=opts)
-        assert not shardpoint.verify(url, storage_options=opts).ok  # reports, never raises
+            shardpoint.load(live, url, storage_options=FEW_RETRIES)
+        assert not shardpoint.verify(url, storage_options=FEW_RETRIES).ok  # never raises
     finally:
         proxy.close()
         monkeypatch.undo()

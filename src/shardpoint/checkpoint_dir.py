@@ -141,7 +141,7 @@ def delete_checkpoint(storage: CheckpointStorage) -> None:
     lock = storage.lock()
     lock.acquire()
     try:
-        if storage.size(MARKER_NAME) is not None:
+        if is_committed(storage):
             storage.delete(MARKER_NAME)
             storage.sync()
         for name in storage.list():

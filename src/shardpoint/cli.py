@@ -22,9 +22,8 @@ from rich.table import Table
 from rich.tree import Tree
 
 from . import __version__
-from .checkpoint_dir import OWN_FILE, delete_checkpoint, open_committed
+from .checkpoint_dir import OWN_FILE, delete_checkpoint, is_committed, open_committed
 from .errors import CheckpointError
-from .format.index import MARKER_NAME
 from .reader import CheckpointReader
 from .storage import join, open_storage
 from .verify import verify
@@ -116,7 +115,7 @@ def _step_of(path: str) -> int | None:
 def _describe(path: str) -> dict[str, Any]:
     row: dict[str, Any] = {"path": path, "step": _step_of(path), "status": "valid", "error": None}
     storage = open_storage(path)
-    if storage.size(MARKER_NAME) is None:
+    if not is_committed(storage):
         row["status"] = "uncommitted"
         row["size"] = sum(storage.size(name) or 0 for name in storage.list())
         return row
