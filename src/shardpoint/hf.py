@@ -23,7 +23,6 @@ import math
 import mmap
 import os
 import re
-import stat
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from .format.safetensors import DTYPES, dtype_name, encode_header, itemsize, lay
 from .loading import ReadPlan
 from .reader import CheckpointReader
 from .saving import DEFAULT_THREADS, SaveInfo, save
-from .storage.local import LocalDirectory, fsync_directory, pwrite_all, typed_read_errors
+from .storage.local import LocalDirectory, fsync_directory, open_regular, pwrite_all
 from .tensor_kinds import local_part
 from .tensor_memory import flat_bytes, plain
 
@@ -256,19 +255,8 @@ class SourceDirectory(LocalDirectory):
     are followed wherever they point, unlike in a shardpoint checkpoint."""
 
     def path(self, name: str) -> Path:
-        path = self.root / check_source_file_name(name, str(self.root))
-        with typed_read_errors(path):  # a symlink loop, no permission: typed
-            try:
-                mode = path.stat().st_mode  # follows symlinks
-            except FileNotFoundError:
-                return path  # size() reports it as missing
-        # Opening a FIFO would block and a directory has no bytes: refuse both first.
-        if not stat.S_ISREG(mode):
-            raise CorruptCheckpointError(
-                f"{path}: not a regular file (a directory, FIFO or device); the weight map "
-                "must name .safetensors files"
-            )
-        return path
+        # Reads still open only regular files (``open_regular``): a FIFO never blocks.
+        return self.root / check_source_file_name(name, str(self.root))
 
 
 def open_hf(source: str | os.PathLike[str]) -> CommittedCheckpoint:
@@ -298,8 +286,10 @@ def open_hf(source: str | os.PathLike[str]) -> CommittedCheckpoint:
     entries: dict[str, TensorEntry] = {}
     sizes: dict[str, int] = {}
     for file in files:
-        header = read_header(storage, file)
-        sizes[file] = storage.path(file).stat().st_size
+        header = read_header(storage, file)  # refuses a missing or irregular file
+        size = storage.size(file)
+        assert size is not None
+        sizes[file] = size
         for name, slot in header.slots.items():
             if name in entries:
                 raise CorruptCheckpointError(
@@ -455,7 +445,7 @@ def import_hf(
     tensors: dict[str, torch.Tensor] = {}
     try:
         for file in ckpt.index.files:
-            with open(ckpt.storage.path(file), "rb") as f:
+            with open(open_regular(ckpt.storage.path(file), os.O_RDONLY), "rb") as f:
                 maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
             raw = None
             if len(maps[-1]):
