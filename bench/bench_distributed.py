@@ -32,7 +32,7 @@ from bench_save_load import RawDisk, drop_cache  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 
 import shardpoint  # noqa: E402
-import shardpoint.storage.local as sp_local  # noqa: E402
+import shardpoint.storage.direct_io as sp_local  # noqa: E402
 from shardpoint import dist as sp_dist  # noqa: E402
 
 ROWS, COLS = 2048, 4096  # 32 MB of fp32 per tensor

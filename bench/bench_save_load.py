@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 
 import shardpoint
-import shardpoint.storage.local as sp_local
+import shardpoint.storage.direct_io as sp_local
 
 BLOCK = 16 * 1024 * 1024
 

@@ -17,6 +17,7 @@ from shardpoint import AsyncSaver, CheckpointError, CheckpointManager, load, ver
 from shardpoint import background_save as background
 from shardpoint.format.index import MARKER_NAME
 from shardpoint.staging import SLOT_BYTES
+from shardpoint.storage import direct_io
 
 
 def _state(seed: int = 0) -> dict:
@@ -92,7 +93,7 @@ def _drain(pool) -> list:  # noqa: ANN001
 
 
 def _failing_writes(monkeypatch, after: int = 1) -> None:  # noqa: ANN001
-    real, calls = background.pwrite_all, [0]
+    real, calls = direct_io.pwrite_all, [0]
 
     def pwrite_all(fd, data, offset):  # noqa: ANN001, ANN202
         calls[0] += 1
@@ -100,7 +101,7 @@ def _failing_writes(monkeypatch, after: int = 1) -> None:  # noqa: ANN001
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data, offset)
 
-    monkeypatch.setattr(background, "pwrite_all", pwrite_all)
+    monkeypatch.setattr(direct_io, "pwrite_all", pwrite_all)
 
 
 def test_a_background_write_error_surfaces_on_wait_and_commits_nothing(tmp_path, monkeypatch):
@@ -147,13 +148,13 @@ def test_an_error_while_staging_commits_nothing_and_raises_on_wait(tmp_path, mon
 
 
 def _gated_writes(monkeypatch) -> threading.Event:  # noqa: ANN001
-    gate, real = threading.Event(), background.pwrite_all
+    gate, real = threading.Event(), direct_io.pwrite_all
 
     def pwrite_all(fd, data, offset):  # noqa: ANN001, ANN202
         gate.wait()
         return real(fd, data, offset)
 
-    monkeypatch.setattr(background, "pwrite_all", pwrite_all)
+    monkeypatch.setattr(direct_io, "pwrite_all", pwrite_all)
     return gate
 
 
@@ -308,7 +309,7 @@ def _two_rank_async(rank: int, world: int, root: str, fail_rank: int) -> None:
     root_path = Path(root)
     release = root_path / "release"
     if rank == 1:  # rank 1's background writes wait for the test's signal
-        real = background.pwrite_all
+        real = direct_io.pwrite_all
 
         def pwrite_all(fd, data, offset):  # noqa: ANN001, ANN202
             while not release.exists():
@@ -317,7 +318,7 @@ def _two_rank_async(rank: int, world: int, root: str, fail_rank: int) -> None:
                 raise OSError(errno.EIO, "Input/output error")
             return real(fd, data, offset)
 
-        background.pwrite_all = pwrite_all
+        direct_io.pwrite_all = pwrite_all
     state = rank_state(rank)
     handle = shardpoint.async_save(state, root_path / "ckpt")
     _mutate(state)

@@ -9,7 +9,7 @@ import torch
 
 import shardpoint
 from shardpoint import CheckpointManager, RetentionPolicy
-from shardpoint.checkpoint_dir import delete_checkpoint
+from shardpoint.commit import Commit
 from shardpoint.format.index import MARKER_NAME
 from shardpoint.storage.local import LocalDirectory
 
@@ -138,10 +138,8 @@ class _Crash(BaseException):
 
 
 def _crash_deletion_at(monkeypatch, k: int) -> list[str]:
-    """Run retention's real ``delete_checkpoint``, but raise ``_Crash`` in place of its
+    """Run retention's real ``Commit.delete``, but raise ``_Crash`` in place of its
     ``k``-th file-system call (0: never). Returns its calls so far as "call file"."""
-    import shardpoint.training.tiers as tiers
-
     calls: list[str] = []
     deleting = [False]
     paths: dict[int, str] = {}  # fd -> name, to say what an fsync was for
@@ -165,14 +163,16 @@ def _crash_deletion_at(monkeypatch, k: int) -> list[str]:
     for name in ("open", "fsync", "unlink", "rmdir", "replace"):
         monkeypatch.setattr(os, name, counted(name))
 
-    def delete_counted(storage) -> None:  # noqa: ANN001
+    real_delete = Commit.delete
+
+    def delete_counted(commit) -> None:  # noqa: ANN001
         deleting[0] = True
         try:
-            delete_checkpoint(storage)
+            real_delete(commit)
         finally:
             deleting[0] = False
 
-    monkeypatch.setattr(tiers, "delete_checkpoint", delete_counted)
+    monkeypatch.setattr(Commit, "delete", delete_counted)
     return calls
 
 
@@ -229,7 +229,7 @@ def test_leftovers_of_a_crashed_save_are_removed_at_start(tmp_path):
 def test_delete_checkpoint_keeps_foreign_files(tmp_path):
     shardpoint.save(_state(1), tmp_path / "c")
     (tmp_path / "c" / "notes.txt").write_text("mine")
-    delete_checkpoint(LocalDirectory(tmp_path / "c"))
+    Commit(LocalDirectory(tmp_path / "c")).delete()
     assert [p.name for p in (tmp_path / "c").iterdir()] == ["notes.txt"]
 
 

@@ -56,7 +56,7 @@ import pytest
 import torch
 
 from shardpoint import CheckpointError, CheckpointManager, load
-from shardpoint.checkpoint_dir import delete_checkpoint
+from shardpoint.commit import Commit
 from shardpoint.format.index import MARKER_NAME
 from shardpoint.storage.local import LocalDirectory
 
@@ -68,9 +68,9 @@ KEEP_LAST = 2
 # The library function nearest to an OS call on its thread's stack gives the call's phase.
 PHASE_OF_FUNCTION = {
     ("saving.py", "_commit"): "commit",
-    ("checkpoint_dir.py", "delete_checkpoint"): "retention",
-    ("saving.py", "_prepare_directory"): "prepare",
-    ("saving.py", "_write_shards"): "write",
+    ("commit.py", "delete"): "retention",
+    ("commit.py", "begin"): "prepare",
+    ("saving.py", "write_from_memory"): "write",
     ("background_save.py", "open"): "write",  # _Persist.open: creates the shard files
     ("background_save.py", "_write"): "write",
     ("background_save.py", "finish"): "write",  # ftruncate and fsync of the shards
@@ -214,7 +214,7 @@ class Ledger:
         """Delete what a killed retention left beyond ``keep_last``, as the next save's
         retention would: the next run then starts like the counted cycle."""
         for step in self.visible[:-KEEP_LAST]:
-            delete_checkpoint(LocalDirectory(self.root / f"step-{step:09d}"))
+            Commit(LocalDirectory(self.root / f"step-{step:09d}")).delete()
         self.visible = self.visible[-KEEP_LAST:]
 
     def table(self, title: str, cycle: list[Record], rank: int = 0) -> str:

@@ -32,7 +32,6 @@ from shardpoint.errors import (
 )
 from shardpoint.format.index import INDEX_NAME, MARKER_NAME
 from shardpoint.storage.local import LocalDirectory
-from shardpoint.training import manager as manager_module
 
 pytestmark = pytest.mark.timeout(120)  # a reader that blocks on a FIFO fails, not hangs
 
@@ -353,7 +352,7 @@ def test_a_full_disk_for_the_event_log_fails_neither_the_save_nor_retention(tmp_
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(manager_module, "open", full, raising=False)
+    monkeypatch.setattr(builtins, "open", full)
     manager = CheckpointManager(tmp_path / "run", keep_last=1, preemption_signals=())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -367,10 +366,10 @@ def test_retention_that_cannot_delete_does_not_fail_the_save(tmp_path, monkeypat
     manager = CheckpointManager(tmp_path / "run", keep_last=1, preemption_signals=())
     manager.save(1, _state(1), force=True)
 
-    def refuse(storage):
+    def refuse(commit):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr("shardpoint.training.tiers.delete_checkpoint", refuse)
+    monkeypatch.setattr("shardpoint.commit.Commit.delete", refuse)
     with pytest.warns(UserWarning, match="cannot delete"):
         assert manager.save(2, _state(2), force=True) is not None
     assert manager.steps() == [1, 2]

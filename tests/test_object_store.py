@@ -294,16 +294,16 @@ def _upload_then_die(local: str, remote: str, env: dict, kill_after_puts: int) -
     manager = CheckpointManager(
         local, remote=remote, every_n_steps=1, preemption_signals=(), max_shard_size=4000
     )
-    real_put = store.ObjectStoreDirectory.put_file
+    real_close = store._ObjectWriter.close
     count = [0]
 
-    def put_file(self, name, path, threads):  # noqa: ANN001, ANN202
+    def close(self):  # noqa: ANN001, ANN202
+        real_close(self)  # this object is complete on the store
         count[0] += 1
-        if count[0] > kill_after_puts:
+        if count[0] >= kill_after_puts:
             os.kill(os.getpid(), signal.SIGKILL)
-        return real_put(self, name, path, threads)
 
-    store.ObjectStoreDirectory.put_file = put_file
+    store._ObjectWriter.close = close
     manager.save(1, {"a": torch.ones(1000), "b": torch.zeros(10)}, force=True)
     manager.wait_for_uploads()
     os._exit(0)

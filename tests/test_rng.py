@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shardpoint.training.rng import capture_rng, restore_rng
-from shardpoint.training.train_state import _streams_for
+from shardpoint.training.train_state import _stream_source, _streams_for
 
 
 def _draw() -> tuple:
@@ -29,7 +29,9 @@ def test_a_new_rank_gets_reproducible_streams_of_its_own():
     torch.manual_seed(0)
     saved = {0: capture_rng(), 1: capture_rng()}
     with pytest.warns(UserWarning, match="saved on 2 ranks and are restored on 1"):
-        restore_rng(_streams_for(0, saved))
+        assert _stream_source(0, [0, 1]) == 0  # its own, read alone
+    assert [_stream_source(r, [0, 1]) for r in (2, 3)] == [0, 1]  # rank % old world
+    restore_rng(_streams_for(0, saved))
     rank0 = _draw()
     restore_rng(_streams_for(2, saved))  # rank 2 did not exist when this was saved
     rank2 = _draw()

@@ -201,7 +201,7 @@ def test_large_state_splits_into_shards_and_round_trips(ckpt_dir):
 
 
 def test_buffered_fallback_and_direct_io_write_identical_files(tmp_path, monkeypatch):
-    import shardpoint.storage.local as local
+    import shardpoint.storage.direct_io as local
 
     # "big" is large enough for the zero-copy path, "a" and "b" go through bounce buffers
     state = {"a": torch.randn(1000, 17), "big": torch.randn(3, 1024 * 1024), "b": torch.randn(3)}
@@ -218,7 +218,7 @@ def test_buffered_fallback_and_direct_io_write_identical_files(tmp_path, monkeyp
 
 
 def test_large_tensors_are_placed_for_zero_copy_direct_io(ckpt_dir):
-    from shardpoint.storage.local import ALIGN
+    from shardpoint.storage.io_types import ALIGN
 
     state = {"big": torch.randn(1024 * 1024), "small": torch.randn(5)}
     shardpoint.save(state, ckpt_dir)
@@ -229,7 +229,7 @@ def test_large_tensors_are_placed_for_zero_copy_direct_io(ckpt_dir):
 
 
 def test_blocks_larger_than_the_bounce_buffer_round_trip(ckpt_dir, monkeypatch):
-    import shardpoint.storage.local as local
+    import shardpoint.storage.direct_io as local
 
     monkeypatch.setattr(local, "BLOCK", 8192)  # many blocks, tensors straddling block edges
     state = {f"t{i}": torch.randn(1000 + i) for i in range(20)}
@@ -241,7 +241,7 @@ def test_blocks_larger_than_the_bounce_buffer_round_trip(ckpt_dir, monkeypatch):
 
 @pytest.mark.parametrize("cached", [True, False])
 def test_loads_through_the_page_cache_and_with_direct_io_agree(ckpt_dir, monkeypatch, cached):
-    import shardpoint.storage.local as local
+    import shardpoint.storage.direct_io as local
 
     monkeypatch.setattr(local, "_in_page_cache", lambda path, segments: cached)
     torch.manual_seed(3)

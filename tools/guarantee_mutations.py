@@ -39,13 +39,13 @@ MUTATIONS = [
     Mutation(
         "marker before index",
         "visible ⇒ complete",
-        "src/shardpoint/saving.py",
-        "                storage.write_small_durably(INDEX_NAME, index_bytes)\n"
-        "                storage.sync()\n"
-        "                storage.write_small_durably(MARKER_NAME, marker_json(index_bytes))\n",
-        "                storage.write_small_durably(MARKER_NAME, marker_json(index_bytes))\n"
-        "                storage.sync()\n"
-        "                storage.write_small_durably(INDEX_NAME, index_bytes)\n",
+        "src/shardpoint/commit.py",
+        "        self.storage.write_small_durably(INDEX_NAME, index)\n"
+        "        self.storage.sync()\n"
+        "        self.storage.write_small_durably(MARKER_NAME, marker_json(index))\n",
+        "        self.storage.write_small_durably(MARKER_NAME, marker_json(index))\n"
+        "        self.storage.sync()\n"
+        "        self.storage.write_small_durably(INDEX_NAME, index)\n",
         (
             "tests/test_crash_consistency.py::test_sigkill_at_any_point_never_loses_a_committed_checkpoint",
         ),
@@ -54,9 +54,9 @@ MUTATIONS = [
         "no marker on 2 ranks",
         "visible ⇒ complete (2 ranks)",
         "src/shardpoint/saving.py",
-        "                storage.write_small_durably(MARKER_NAME, marker_json(index_bytes))\n",
-        "                if len(results) == 1:\n"
-        "                    storage.write_small_durably(MARKER_NAME, marker_json(index_bytes))\n",
+        "                    plan.commit.finish(index)\n",
+        "                    if len(results) == 1:\n"
+        "                        plan.commit.finish(index)\n",
         (
             "tests/test_crash_consistency.py::"
             "test_sigkill_of_one_rank_during_a_two_rank_save_never_exposes_a_partial_checkpoint",
@@ -65,14 +65,14 @@ MUTATIONS = [
     Mutation(
         "marker deleted last",
         "a committed checkpoint is never modified",
-        "src/shardpoint/checkpoint_dir.py",
-        "        if storage.size(MARKER_NAME) is not None:\n"
-        "            storage.delete(MARKER_NAME)\n"
-        "            storage.sync()\n"
-        "        for name in storage.list():\n"
-        "            if OWN_FILE.match(name):\n",
-        "        for name in storage.list():\n"
-        "            if OWN_FILE.match(name) and name != MARKER_NAME:\n",
+        "src/shardpoint/commit.py",
+        "            if self.is_committed():\n"
+        "                self.storage.delete(MARKER_NAME)\n"
+        "                self.storage.sync()\n"
+        "            for name in self.storage.list():\n"
+        "                if is_own_file(name):\n",
+        "            for name in self.storage.list():\n"
+        "                if is_own_file(name) and name != MARKER_NAME:\n",
         (
             "tests/test_checkpoint_manager.py::"
             "test_a_crash_during_retention_never_leaves_zero_valid_checkpoints",
@@ -156,7 +156,7 @@ MUTATIONS = [
     Mutation(
         "FIFO blocks open",
         "a special file never hangs a reader",
-        "src/shardpoint/storage/local.py",
+        "src/shardpoint/storage/direct_io.py",
         "    fd = os.open(path, flags | os.O_NONBLOCK)",
         "    fd = os.open(path, flags)",
         (
@@ -167,7 +167,7 @@ MUTATIONS = [
     Mutation(
         "raw OS errors",
         "every OS error on a read is typed",
-        "src/shardpoint/storage/local.py",
+        "src/shardpoint/storage/direct_io.py",
         "    except OSError as exc:\n        raise CorruptCheckpointError(\n"
         '            f"{where}: cannot be read',
         "    except ZeroDivisionError as exc:\n        raise CorruptCheckpointError(\n"
@@ -241,9 +241,9 @@ MUTATIONS = [
     Mutation(
         "lock after leftovers",
         "two writers on one directory are refused",
-        "src/shardpoint/saving.py",
-        "        lock = storage.lock()\n        lock.acquire()\n",
-        "        lock = None\n",
+        "src/shardpoint/commit.py",
+        "            self._lock = self.storage.lock()\n            self._lock.acquire()\n",
+        "            self._lock = None\n",
         (
             HOSTILE + "test_two_processes_saving_the_same_steps_never_report_a_checkpoint_that_"
             "is_not_there",

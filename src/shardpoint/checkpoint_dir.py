@@ -7,7 +7,6 @@ before reading a single tensor byte.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +46,10 @@ class CommittedCheckpoint:
         return self.storage.where
 
     def header(self, file: str) -> Header:
-        """Parse ``file``'s safetensors header once and check it agrees with the index."""
+        """Parse ``file``'s safetensors header once and check it and the file's size
+        agree with the index."""
         if file not in self._headers:
+            check_size(self.storage, file, self.index.files.get(file))
             header = read_header(self.storage, file)
             for entry, c in self.chunks_by_file.get(file, []):
                 slot = header.slots.get(c.key)
@@ -77,11 +78,26 @@ def read_header(storage: CheckpointStorage, file: str) -> Header:
     return parse_header(storage.read_range(file, 8, 8 + n), size, where)
 
 
+def check_size(storage: CheckpointStorage, name: str, size: int | None) -> None:
+    actual = storage.size(name)
+    if actual != size:
+        state = "is missing" if actual is None else f"has {actual} bytes, expected {size}"
+        raise CorruptCheckpointError(
+            f"{storage.location(name)}: shard file {state}; the checkpoint is damaged, "
+            "load an earlier one"
+        )
+
+
 def open_committed(
-    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+    path: str | os.PathLike[str] | CheckpointStorage,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    every_file: bool = True,
 ) -> CommittedCheckpoint:
-    """Open a committed checkpoint, or raise the typed error that says what is wrong."""
-    storage = open_storage(path, storage_options)
+    """Open a committed checkpoint (a path, URL or storage), or raise the typed error
+    that says what is wrong. ``every_file=False`` leaves the size check of each shard
+    file to its first read: a rank restoring from node-local disks reads only some."""
+    storage = open_storage(path, storage_options) if isinstance(path, (str, os.PathLike)) else path
     if not storage.exists():
         raise IncompleteCheckpointError(
             f"{storage.where}: no such checkpoint directory; check the path"
@@ -100,53 +116,6 @@ def open_committed(
         )
     check_marker(marker, raw, storage.location(MARKER_NAME))
     index = parse_index(raw, storage.location(INDEX_NAME))
-    for name, size in index.files.items():
-        actual = storage.size(name)
-        if actual != size:
-            state = "is missing" if actual is None else f"has {actual} bytes, expected {size}"
-            raise CorruptCheckpointError(
-                f"{storage.location(name)}: shard file {state}; the checkpoint is damaged, "
-                "load an earlier one"
-            )
+    for name, size in index.files.items() if every_file else ():
+        check_size(storage, name, size)
     return CommittedCheckpoint(storage, index)
-
-
-# Every name a save writes; anything else in a checkpoint directory is not ours.
-OWN_FILE = re.compile(r"^(index\.json|COMMITTED|rank\d{5}-\d{5}\.safetensors)(\.tmp)?$")
-
-
-def foreign_files(storage: CheckpointStorage) -> list[str]:
-    return [name for name in storage.list() if not OWN_FILE.match(name)]
-
-
-def is_committed(storage: CheckpointStorage) -> bool:
-    """Whether the directory holds a commit marker. One that exists but cannot even be
-    looked at (a symlink loop) counts: readers then report it, and restore falls back."""
-    try:
-        return storage.size(MARKER_NAME) is not None
-    except CorruptCheckpointError:
-        return True
-
-
-def delete_checkpoint(storage: CheckpointStorage) -> None:
-    """Remove a checkpoint directory, commit marker first, under its writer lock.
-
-    Once the marker is gone no reader takes the directory for a checkpoint, so a crash
-    halfway leaves an uncommitted leftover, never a damaged "valid" checkpoint. Files
-    that are not shardpoint's are left alone (and keep the directory). A directory that
-    another process is saving to raises ``ConcurrentWriterError`` and is not touched.
-    """
-    if not storage.exists():
-        return
-    lock = storage.lock()
-    lock.acquire()
-    try:
-        if is_committed(storage):
-            storage.delete(MARKER_NAME)
-            storage.sync()
-        for name in storage.list():
-            if OWN_FILE.match(name):
-                storage.delete(name)
-        storage.remove_if_empty()
-    finally:
-        lock.release()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -22,8 +21,10 @@ from rich.table import Table
 from rich.tree import Tree
 
 from . import __version__
-from .checkpoint_dir import OWN_FILE, delete_checkpoint, is_committed, open_committed
+from .checkpoint_dir import open_committed
+from .commit import Commit
 from .errors import CheckpointError
+from .names import is_own_file, parse_step_dir, shard_rank
 from .reader import CheckpointReader
 from .storage import join, open_storage
 from .verify import verify
@@ -49,7 +50,6 @@ EXAMPLES = {
     "report": "shardpoint report runs/exp1                 # summary + runs/exp1/report.png\n"
     "  shardpoint report runs/exp1 --out saves.png --json",
 }
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def human_bytes(n: float) -> str:
@@ -100,7 +100,7 @@ def _checkpoint_dirs(root: str) -> list[str]:
 
 
 def _looks_like_checkpoint(path: str) -> bool:
-    return any(OWN_FILE.match(name) for name in open_storage(path).list())
+    return any(is_own_file(name) for name in open_storage(path).list())
 
 
 def _name(path: str) -> str:
@@ -108,14 +108,13 @@ def _name(path: str) -> str:
 
 
 def _step_of(path: str) -> int | None:
-    m = _STEP_DIR.match(_name(path))
-    return int(m.group(1)) if m else None
+    return parse_step_dir(_name(path))
 
 
 def _describe(path: str) -> dict[str, Any]:
     row: dict[str, Any] = {"path": path, "step": _step_of(path), "status": "valid", "error": None}
     storage = open_storage(path)
-    if not is_committed(storage):
+    if not Commit(storage).is_committed():
         row["status"] = "uncommitted"
         row["size"] = sum(storage.size(name) or 0 for name in storage.list())
         return row
@@ -171,7 +170,8 @@ def _inspect(args: argparse.Namespace) -> int:
         rows = []
         for name in reader.keys():
             entry = reader.entry(name)
-            ranks = sorted({int(c.file[4:9]) for c in entry.chunks if c.file.startswith("rank")})
+            writers = (shard_rank(c.file) for c in entry.chunks)
+            ranks = sorted({r for r in writers if r is not None})
             rows.append(
                 {
                     "name": name,
@@ -441,7 +441,7 @@ def _prune(args: argparse.Namespace) -> int:
     keep = {r["path"] for r in committed[-args.keep_last :]}
     delete = [r for r in committed if r["path"] not in keep]
     for r in delete if not args.dry_run else []:
-        delete_checkpoint(open_storage(r["path"]))
+        Commit(open_storage(r["path"])).delete()
     doc = {
         "dry_run": args.dry_run,
         "deleted": [r["path"] for r in delete],

@@ -8,6 +8,7 @@ another process sent.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +52,18 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
+def is_node_leader() -> bool:
+    """Whether this rank is the first of its node (torchrun's ``LOCAL_RANK`` 0); without
+    a launcher that says so, every rank counts as one node's and rank 0 leads it."""
+    local = os.environ.get("LOCAL_RANK")
+    return (int(local) if local is not None and is_distributed() else rank()) == 0
+
+
+def node_rank() -> int:
+    """The node this rank runs on (torchrun's ``GROUP_RANK``; 0 without a launcher)."""
+    return int(os.environ.get("GROUP_RANK", 0)) if is_distributed() else 0
+
+
 def _cpu_group() -> Any:
     """The default group when it runs on the CPU (gloo), else a gloo group made once."""
     global _CPU_GROUP
@@ -59,6 +72,12 @@ def _cpu_group() -> Any:
             dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         )
     return _CPU_GROUP
+
+
+def new_cpu_group() -> Any:
+    """A gloo group of its own (a collective: every rank calls this at the same point),
+    for collectives on a background thread; None in one process."""
+    return dist.new_group(backend="gloo") if is_distributed() else None
 
 
 def background_group() -> Any:

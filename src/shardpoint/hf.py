@@ -43,7 +43,9 @@ from .format.safetensors import DTYPES, dtype_name, encode_header, itemsize, lay
 from .loading import ReadPlan
 from .reader import CheckpointReader
 from .saving import DEFAULT_THREADS, SaveInfo, save
-from .storage.local import LocalDirectory, fsync_directory, open_regular, pwrite_all
+from .storage import CheckpointStorage, FileWriter, open_storage
+from .storage.io_types import BLOCK
+from .storage.local import LocalDirectory
 from .tensor_kinds import local_part
 from .tensor_memory import flat_bytes, plain
 
@@ -112,7 +114,7 @@ def export_hf(
     limit = parse_size(max_shard_size)
     cast = _cast_dtype(dtype)
     rules = [(re.compile(pattern), replacement) for pattern, replacement in rename]
-    out = Path(out)
+    dest = open_storage(out)
     with CheckpointReader(checkpoint) as reader:
         plan: list[tuple[str, str, str, tuple[int, ...]]] = []  # source, name, dtype, shape
         seen: dict[str, str] = {}
@@ -139,10 +141,10 @@ def export_hf(
             )
         shards = _split(plan, limit)
         names = _file_names(len(shards))
-        _prepare_output(out)
+        _prepare_output(dest)
         weight_map: dict[str, str] = {}
         for file, tensors in zip(names, shards):
-            _write_hf_file(reader, out / file, tensors, progress)
+            _write_hf_file(reader, dest, file, tensors, progress)
             weight_map.update({name: file for _, name, _, _ in tensors})
         total = sum(math.prod(shape) * itemsize(dt) for _, _, dt, shape in plan)
         if len(names) > 1:
@@ -150,9 +152,9 @@ def export_hf(
                 "metadata": {"total_size": total},
                 "weight_map": dict(sorted(weight_map.items())),
             }
-            LocalDirectory(out).write_small_durably(HF_INDEX, json.dumps(index, indent=2).encode())
-        fsync_directory(out)
-    return HFExport(out, names, len(plan), total)
+            dest.write_small_durably(HF_INDEX, json.dumps(index, indent=2).encode())
+        dest.sync()
+    return HFExport(dest.root, names, len(plan), total)
 
 
 def _cast_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -185,43 +187,72 @@ def _file_names(n: int) -> list[str]:
     return [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
 
 
-def _prepare_output(out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    existing = [p.name for p in out.glob("model*.safetensors*")]
+def _prepare_output(out: CheckpointStorage) -> None:
+    out.prepare()
+    existing = [n for n in out.list() if n.startswith("model") and ".safetensors" in n]
     if existing:
         raise CheckpointExistsError(
-            f"{out}: already holds an exported model ({sorted(existing)[:3]}); export to an "
+            f"{out.where}: already holds an exported model ({sorted(existing)[:3]}); export to an "
             "empty directory or remove those files first"
         )
 
 
 def _write_hf_file(
     reader: CheckpointReader,
-    path: Path,
+    out: CheckpointStorage,
+    file: str,
     tensors: list[tuple[str, str, str, tuple[int, ...]]],
     progress: Callable[[int], None] | None,
 ) -> None:
+    """One file, tensor by tensor (each read, verified, written, then dropped); it
+    appears whole or not at all (a local ``.tmp`` renamed, an object PUT)."""
     slots = layout([(name, dt, shape) for _, name, dt, shape in tensors])
     header = encode_header(slots, {"format": "pt"})
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    size = len(header) + sum(s.nbytes for s in slots.values())
+    stream = _InOrder(out.open_writer(file, size, threads=4))
     try:
-        pwrite_all(fd, memoryview(header), 0)
+        stream.write(memoryview(header))
         for source, name, dt, _ in tensors:
             tensor = reader.get(source)  # verified; the only copy of it in memory
             if tensor.dtype != DTYPES[dt]:
                 tensor = tensor.to(DTYPES[dt])
-            pwrite_all(fd, memoryview(flat_bytes(tensor).numpy()), len(header) + slots[name].begin)
+            stream.write(memoryview(flat_bytes(tensor).numpy()))
             if progress is not None:
                 progress(slots[name].nbytes)
             del tensor
-        os.fsync(fd)
+        stream.close()
     except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
+        stream.writer.abort()
         raise
-    os.close(fd)
-    os.replace(tmp, path)
+
+
+class _InOrder:
+    """Bytes written in file order, handed to a ``FileWriter`` in BLOCK pieces (which
+    start at page boundaries, as writers need)."""
+
+    def __init__(self, writer: FileWriter) -> None:
+        self.writer = writer
+        self.offset = 0
+        self.buffer = bytearray()
+
+    def write(self, data: memoryview) -> None:
+        data = data.cast("B")
+        while len(data):
+            take = min(BLOCK - len(self.buffer), len(data))
+            self.buffer += data[:take]
+            data = data[take:]
+            if len(self.buffer) == BLOCK:
+                self._flush()
+
+    def _flush(self) -> None:
+        self.writer.write(self.offset, memoryview(self.buffer))
+        self.offset += len(self.buffer)
+        self.buffer = bytearray()
+
+    def close(self) -> None:
+        if self.buffer:
+            self._flush()
+        self.writer.close()
 
 
 # ---- reading the layout ------------------------------------------------------------------
@@ -445,8 +476,7 @@ def import_hf(
     tensors: dict[str, torch.Tensor] = {}
     try:
         for file in ckpt.index.files:
-            with open(open_regular(ckpt.storage.path(file), os.O_RDONLY), "rb") as f:
-                maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            maps.append(ckpt.storage.map_file(file))
             raw = None
             if len(maps[-1]):
                 with warnings.catch_warnings():  # read-only on purpose: save only reads it

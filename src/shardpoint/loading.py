@@ -30,7 +30,7 @@ from .format.index import Chunk, TensorEntry, checksum
 from .format.safetensors import DTYPES
 from .gc_pause import gc_paused
 from .saving import DEFAULT_THREADS
-from .storage.local import Segment
+from .storage.io_types import Segment
 from .tensor_kinds import local_part
 from .tensor_memory import flat_bytes, plain
 from .tree import match
@@ -67,7 +67,8 @@ def load(
     >>> state["step"], state["w"].tolist()
     (7, [1.0, 1.0])
     """
-    ckpt = open_committed(path, storage_options)
+    # Files are checked as they are read: under torch.distributed a rank reads only some.
+    ckpt = open_committed(path, storage_options, every_file=False)
     m = match(state, ckpt.index.tree)
     problems = []
     if strict and m.missing:

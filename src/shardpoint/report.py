@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
-from .storage.local import LocalDirectory
+from .storage import open_storage
 from .training.manager import EventLog
 
 
@@ -16,7 +16,7 @@ def save_report(directory: Path, out: Path | None = None) -> dict[str, Any]:
     log = directory / "events.jsonl"
     if not log.exists():
         raise CheckpointError(f"{log}: no event log here; point to a CheckpointManager directory")
-    events = EventLog(LocalDirectory(directory)).read()
+    events = EventLog(open_storage(directory)).read()
     saves = [e for e in events if e.get("event") == "save"]
 
     def stats(key: str) -> dict[str, float]:

@@ -1,8 +1,15 @@
-"""``shardpoint.save``: flatten the state, pack tensors into shard files, write, commit.
+"""The save pipeline: one set of phases for every caller.
 
-Order of durability (the commit protocol, docs/format.md): every shard file is written
-and fsynced, then ``index.json`` is written and fsynced, then the directory is fsynced,
-and only then the commit marker is written and fsynced. A crash at any point leaves a
+    flatten -> plan (agreed across ranks) -> [stage] -> write -> commit
+
+``save`` runs them on the caller's thread, writing straight from tensor memory.
+``AsyncSaver`` (``background_save.py``) runs the same phases with one difference: the
+write reads staged copies, so the caller returns after staging while the write and
+the commit finish on background threads. The manager's local, remote and memory tiers
+and the uploads use these phases too. ``run_save`` below is the whole pipeline.
+
+Order of durability (the commit protocol, ``commit.py``, docs/format.md): every shard
+file is durable, then ``index.json``, then the marker. A crash at any point leaves a
 directory without a marker, which no reader accepts as a checkpoint.
 """
 
@@ -10,28 +17,19 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from . import __version__, dist
-from .checkpoint_dir import OWN_FILE, is_committed
-from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
-from .format.index import (
-    INDEX_NAME,
-    MARKER_NAME,
-    Chunk,
-    Index,
-    TensorEntry,
-    block_checksums,
-    block_rows_for,
-    marker_json,
-)
+from .commit import Commit
+from .errors import CheckpointError, UnsupportedValueError
+from .format.index import Chunk, Index, TensorEntry, block_checksums, block_rows_for
 from .format.safetensors import (
     PAGE,
     TensorSlot,
@@ -42,10 +40,11 @@ from .format.safetensors import (
     tensor_nbytes,
 )
 from .gc_pause import gc_paused
+from .names import INDEX_NAME, MARKER_NAME, shard_file
 from .parallel import map_batched
 from .plan import Holding, Piece, plan_writes
-from .storage import CheckpointStorage, WriterLock, open_storage
-from .storage.local import ZERO_COPY_MIN_BYTES, Segment
+from .storage import CheckpointStorage, open_storage
+from .storage.io_types import ZERO_COPY_MIN_BYTES, Segment
 from .tensor_kinds import local_part, may_be_replicated
 from .tensor_memory import flat_bytes, host_contiguous, plain
 from .tree import flatten, merge_trees
@@ -65,10 +64,6 @@ class SaveInfo:
     bytes_written: int
     seconds: float  # from the call until the checkpoint was committed
     blocked_seconds: float | None = None  # how long the caller waited (async: the staging)
-
-
-def shard_file_name(rank: int, k: int) -> str:
-    return f"rank{rank:05d}-{k:05d}.safetensors"
 
 
 @gc_paused()
@@ -100,15 +95,54 @@ def save(
     >>> info.tensors
     1
     """
+    storage = open_storage(path, storage_options)
+    info = run_save(state, storage, SaveOptions(max_shard_size, threads, metadata))
+    assert isinstance(info, SaveInfo)  # no staging: committed on return
+    return info
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    max_shard_size: int = DEFAULT_MAX_SHARD_BYTES
+    threads: int = DEFAULT_THREADS
+    metadata: dict[str, Any] | None = None
+    # Each node's directory is its own (node-local disks): every node's first rank
+    # prepares and commits it. Otherwise one directory is shared and rank 0 does.
+    per_node: bool = False
+
+
+class Staging(Protocol):
+    """The stage phase (``background_save.Stager``): copies the files' bytes on the
+    caller's thread and writes them on background threads."""
+
+    def stage(self, plan: SavePlan, files: list[ShardFile]) -> Callable[[], WriteResult]: ...
+
+
+def run_save(
+    state: Any,
+    storage: CheckpointStorage,
+    options: SaveOptions,
+    staging: Staging | None = None,
+    group: Any = None,
+) -> SaveInfo | Callable[[], SaveInfo]:
+    """The pipeline. Without ``staging`` the checkpoint is committed on return; with it,
+    the state is staged on return and the returned function (for a background thread)
+    writes, commits and returns the ``SaveInfo``."""
     start = time.perf_counter()
-    plan = plan_save(state, open_storage(path, storage_options))
-    result = WriteResult()
+    plan = plan_save(state, storage, options, group=group, to_host=staging is None)
+    written: Callable[[], WriteResult]
     try:
-        shards = lay_out(plan, max_shard_size, zero_copy=True)
-        result = _write_shards(plan.storage, shards, threads)
+        files = lay_out(plan, options.max_shard_size, zero_copy=staging is None)
+        if staging is None:
+            result = write_from_memory(plan, files, options.threads)
+            written = lambda: result  # noqa: E731
+        else:
+            written = staging.stage(plan, files)
     except Exception as exc:  # any failure must still reach the commit's gather
-        result.error = f"rank {plan.rank}: {exc}"
-    return commit(plan, result, metadata, start=start)
+        failed = WriteResult(error=f"rank {plan.rank}: {exc}")
+        written = lambda: failed  # noqa: E731
+    finish = lambda: commit(plan, written(), options.metadata, start=start)  # noqa: E731
+    return finish() if staging is None else finish
 
 
 @dataclass
@@ -122,34 +156,77 @@ class SavePlan:
     pieces: list[Piece]  # what this rank writes
     local: dict[str, torch.Tensor]  # name -> this rank's contiguous bytes of the entry
     tensors: int
+    per_node: bool
     group: Any = None  # the process group of the save's collectives (None: default)
-    lock: WriterLock | None = None  # rank 0: held from preparing the directory to commit
+    commit: Commit | None = None  # held by the rank that commits this directory
 
-    def unlock(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+    def release(self) -> None:
+        if self.commit is not None:
+            self.commit.release()
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One written piece as the index needs it: the tensor's facts and its chunk."""
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    chunk: Chunk
+    # Replicated state: the box (offsets, shape) this piece is part of, which other
+    # ranks hold too; None for a rank's own shard.
+    copy_of: tuple[tuple[int, ...], tuple[int, ...]] | None
+
+    def to_json(self) -> list[Any]:
+        c = self.chunk
+        return [
+            *(self.name, self.dtype, self.global_shape, c.file, c.key, c.offsets, c.shape),
+            *(c.begin, c.end, c.checksums, c.block_rows, self.copy_of),
+        ]
+
+    @staticmethod
+    def from_json(doc: list[Any]) -> ChunkRecord:
+        name, dtype, global_shape, file, key, offsets, shape, begin, end, sums, rows, of = doc
+        chunk = Chunk(file, key, tuple(offsets), tuple(shape), begin, end, tuple(sums), rows)
+        box = (tuple(of[0]), tuple(of[1])) if of is not None else None
+        return ChunkRecord(name, dtype, tuple(global_shape), chunk, box)
 
 
 @dataclass
 class WriteResult:
-    """What one rank wrote, sent to rank 0 for the index (JSON-able fields only)."""
+    """What one rank wrote (sent to rank 0 for the index), or why it failed."""
 
     files: dict[str, int] = field(default_factory=dict)  # name -> size
-    chunks: list[dict[str, Any]] = field(default_factory=list)
+    chunks: list[ChunkRecord] = field(default_factory=list)
     error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        chunks = [c.to_json() for c in self.chunks]
+        return {"files": self.files, "chunks": chunks, "error": self.error}
+
+    @staticmethod
+    def from_json(doc: dict[str, Any]) -> WriteResult:
+        chunks = [ChunkRecord.from_json(c) for c in doc["chunks"]]
+        return WriteResult(doc["files"], chunks, doc["error"])
 
 
 def plan_save(
-    state: Any, storage: CheckpointStorage, *, group: Any = None, to_host: bool = True
+    state: Any,
+    storage: CheckpointStorage,
+    options: SaveOptions,
+    *,
+    group: Any = None,
+    to_host: bool = True,
 ) -> SavePlan:
-    """Flatten ``state``, prepare the directory (rank 0) and agree on who writes what.
+    """Flatten ``state``, prepare the directory (the committing rank) and agree on who
+    writes what.
 
-    The one gather of structure per save; it also orders every write after rank 0's
+    The one gather of structure per save; it also orders every write after the
     preparation of the directory. ``to_host=False`` keeps device tensors where they
-    are (the async path copies them into its staging pool itself).
+    are (staging copies them into its pool itself).
     """
     me = dist.rank()
+    commits = me == 0 or (options.per_node and dist.is_node_leader())
     # A rank that fails before the collective still joins it, with its error, so that
     # no other rank waits forever; then every rank raises. Any exception counts: a
     # user's state_dict() may raise anything.
@@ -158,13 +235,14 @@ def plan_save(
     holdings: list[Holding] = []
     aliases: dict[str, str] = {}
     local: dict[str, torch.Tensor] = {}
-    lock: WriterLock | None = None
+    commit_: Commit | None = None
     try:
         flat = flatten(state)
         tree_here = flat.tree
         holdings, aliases, local = _holdings(flat.tensors, to_host)
-        if me == 0:
-            lock = _prepare_directory(storage)
+        if commits:
+            commit_ = Commit(storage)
+            commit_.begin()
     except Exception as exc:
         own_error = exc
     sole = [h for h in holdings if not h.replicated]
@@ -174,19 +252,33 @@ def plan_save(
             "replicated": [h.to_json() for h in holdings if h.replicated],
             "tree": tree_here,
             "aliases": aliases,
+            "node": dist.node_rank(),
             "error": f"rank {me}: {own_error}" if own_error else None,
         },
         group,
     )
+    failed = [g["error"] for g in gathered if g["error"]]
+    if failed and commit_ is not None:
+        commit_.release()
     if own_error is not None:
         raise own_error
-    failed = [g["error"] for g in gathered if g["error"]]
     if failed:
-        if lock is not None:
-            lock.release()
         raise CheckpointError(f"{storage.where}: another rank could not save: {failed[0]}")
     replicated = [[Holding.from_json(h) for h in g["replicated"]] for g in gathered]
-    plan = plan_writes([g["sole_bytes"] for g in gathered], replicated)
+    sole_bytes = [g["sole_bytes"] for g in gathered]
+    if options.per_node:
+        # Every node writes its own copy of replicated state, split among its ranks, so
+        # a node restores from its own disk alone; shards are written once.
+        nodes = [g["node"] for g in gathered]
+        plan = [
+            piece
+            for node in sorted(set(nodes))
+            for piece in plan_writes(
+                sole_bytes, [held if n == node else [] for held, n in zip(replicated, nodes)]
+            )
+        ]
+    else:
+        plan = plan_writes(sole_bytes, replicated)
     mine = [Piece(h.name, h.offsets, h.shape, me, h) for h in sole]
     mine += [p for p in plan if p.writer == me]
     return SavePlan(
@@ -197,16 +289,18 @@ def plan_save(
         mine,
         local,
         len(local) + len(aliases),
+        options.per_node,
         group,
-        lock,
+        commit_,
     )
 
 
 def commit(
     plan: SavePlan, result: WriteResult, metadata: dict[str, Any] | None, *, start: float
 ) -> SaveInfo:
-    """The commit protocol: every rank reports, rank 0 writes the index then the marker,
-    every rank learns the outcome. Raises on every rank if any rank failed.
+    """The commit phase: every rank reports, rank 0 builds the index, the committing
+    rank(s) write index then marker, every rank learns the outcome. Raises on every
+    rank if any rank failed.
 
     The gather doubles as the barrier before commit: rank 0 hears from every rank once
     its files are durable (or failed).
@@ -214,57 +308,79 @@ def commit(
     try:
         return _commit(plan, result, metadata, start)
     finally:
-        plan.unlock()
+        plan.release()
 
 
 def _commit(
     plan: SavePlan, result: WriteResult, metadata: dict[str, Any] | None, start: float
 ) -> SaveInfo:
-    storage, me = plan.storage, plan.rank
-    results = dist.gather_json(
-        {"files": result.files, "chunks": result.chunks, "error": result.error}, 0, plan.group
-    )
-    outcome = None
-    if results is not None:  # rank 0
-        errors = [r["error"] for r in results if r["error"]]
+    gathered = dist.gather_json(result.to_json(), 0, plan.group)
+    outcome: str | None = None
+    per_node: dict[str, str] | None = None  # node -> its index (node-local directories)
+    if gathered is not None:  # rank 0
+        results = [WriteResult.from_json(r) for r in gathered]
+        errors = [r.error for r in results if r.error]
         outcome = errors[0] if errors else None
         if not errors:
             try:
-                index_bytes = _index(plan.tree, plan.gathered, results, metadata).to_json()
-                storage.write_small_durably(INDEX_NAME, index_bytes)
-                storage.sync()
-                storage.write_small_durably(MARKER_NAME, marker_json(index_bytes))
-                storage.sync()
+                if plan.per_node:
+                    nodes = [g["node"] for g in plan.gathered]
+                    per_node = {
+                        str(n): _index(plan, results, metadata, n, nodes).to_json().decode()
+                        for n in sorted(set(nodes))
+                    }
+                else:
+                    assert plan.commit is not None
+                    plan.commit.finish(_index(plan, results, metadata).to_json())
             except Exception as exc:  # OSError locally; the object store's errors too
                 outcome = f"rank 0 (commit): {exc}"
-        written = sum(sum(r["files"].values()) for r in results)
-        files = sum(len(r["files"]) for r in results)
+        written = sum(sum(r.files.values()) for r in results)
+        files = sum(len(r.files) for r in results)
     else:
         written, files = sum(result.files.values()), len(result.files)
-    outcome = dist.broadcast_json(outcome, 0, plan.group)
+    outcome, per_node = dist.broadcast_json([outcome, per_node], 0, plan.group)
+    if plan.per_node and outcome is None:
+        outcome = _commit_every_node(plan, per_node[str(dist.node_rank())].encode())
     if outcome:
-        # Only rank 0 may remove the shared directory: another rank's files may still be
-        # in flight when a fast-failing rank gets here.
-        remove_own(
-            storage,
-            [*result.files, *((INDEX_NAME, MARKER_NAME) if me == 0 else ())],
-            remove_directory=me == 0,
-        )
+        # Only the committing rank removes the directory: another rank's files may still
+        # be in flight when a fast-failing rank gets here.
+        cleanup = plan.commit or Commit(plan.storage)
+        own = [*result.files, *((INDEX_NAME, MARKER_NAME) if plan.commit else ())]
+        cleanup.abort(own, remove_directory=plan.commit is not None)
         raise CheckpointError(
-            f"{storage.where}: writing the checkpoint failed ({outcome}); nothing was committed "
-            "and earlier checkpoints are untouched. Fix the cause above (free space, "
-            "permissions, the object store's reachability), "
-            "then save again."
+            f"{plan.storage.where}: writing the checkpoint failed ({outcome}); nothing was "
+            "committed and earlier checkpoints are untouched. Fix the cause above (free "
+            "space, permissions, the object store's reachability), then save again."
         )
     seconds = time.perf_counter() - start
     return SaveInfo(
-        path=storage.root,
+        path=plan.storage.root,
         files=files,
         tensors=plan.tensors,
         bytes_written=written,
         seconds=seconds,
         blocked_seconds=seconds,  # a synchronous save blocks for all of it
     )
+
+
+def _commit_every_node(plan: SavePlan, index: bytes) -> str | None:
+    """Node-local directories: each node's first rank commits its node's copy. If any
+    node fails, the others withdraw theirs (marker first): a copy that looks committed
+    on one node must mean every node's part is durable."""
+    error = None
+    if plan.commit is not None:
+        try:
+            plan.commit.finish(index)
+        except Exception as exc:
+            error = f"rank {plan.rank} (commit): {exc}"
+    errors = [e for e in dist.all_gather_json(error, plan.group) if e]
+    if errors and plan.commit is not None and error is None:
+        plan.commit.release()
+        try:
+            plan.commit.delete()
+        except Exception:  # best effort; the marker goes first, so at worst a leftover
+            pass
+    return errors[0] if errors else None
 
 
 @dataclass
@@ -309,27 +425,32 @@ def lay_out(plan: SavePlan, max_shard_size: int, *, zero_copy: bool) -> list[Sha
     return shards
 
 
-def chunk_records(placed: list[_Placed], checksums: list[list[str]]) -> list[dict[str, Any]]:
-    """The index records of written pieces (JSON, sent to rank 0)."""
+def chunk_records(placed: list[_Placed], checksums: list[list[str]]) -> list[ChunkRecord]:
+    """The index records of written pieces."""
     return [
-        {
-            "name": p.piece.name,
-            "dtype": p.piece.source.dtype,
-            "global_shape": list(p.piece.source.global_shape),
-            "file": p.file,
-            "key": p.key,
-            "offsets": list(p.piece.offsets),
-            "shape": list(p.piece.shape),
-            "byte_range": [p.begin, p.end],
-            "block_rows": p.block_rows,
-            "checksums": digest,
-        }
+        ChunkRecord(
+            p.piece.name,
+            p.piece.source.dtype,
+            tuple(p.piece.source.global_shape),
+            Chunk(
+                p.file,
+                p.key,
+                tuple(p.piece.offsets),
+                tuple(p.piece.shape),
+                p.begin,
+                p.end,
+                tuple(digest),
+                p.block_rows,
+            ),
+            (p.piece.source.offsets, p.piece.source.shape) if p.piece.source.replicated else None,
+        )
         for p, digest in zip(placed, checksums)
     ]
 
 
-def _write_shards(storage: CheckpointStorage, shards: list[ShardFile], threads: int) -> WriteResult:
-    """Write this rank's files straight from tensor memory; checksums beside the writes."""
+def write_from_memory(plan: SavePlan, shards: list[ShardFile], threads: int) -> WriteResult:
+    """The write phase of a synchronous save: this rank's files straight from tensor
+    memory, checksums computed beside the writes."""
     to_write: dict[str, tuple[int, list[Segment]]] = {
         f.name: (f.size, [Segment(0, f.header), *(Segment(p.begin, p.raw) for p in f.placed)])
         for f in shards
@@ -346,10 +467,10 @@ def _write_shards(storage: CheckpointStorage, shards: list[ShardFile], threads: 
             lambda p: p.slot.nbytes,
         )
         try:
-            storage.write_files(to_write, threads=threads)
+            plan.storage.write_files(to_write, threads=threads)
             sums = digests()
         except Exception:  # whatever failed, none of this rank's files may stay behind
-            remove_own(storage, to_write, remove_directory=False)
+            Commit(plan.storage).abort(to_write, remove_directory=False)
             raise
     return WriteResult({f.name: f.size for f in shards}, chunk_records(placed, sums))
 
@@ -391,40 +512,50 @@ def _piece_data(p: Piece, local: torch.Tensor) -> torch.Tensor:
 
 
 def _index(
-    tree: Any,
-    gathered: list[dict[str, Any]],
-    results: list[dict[str, Any]],
+    plan: SavePlan,
+    results: list[WriteResult],
     metadata: dict[str, Any] | None,
+    node: int | None = None,
+    nodes: list[int] | None = None,
 ) -> Index:
+    """The index of the checkpoint, or of one ``node``'s copy of it: every shard, and
+    of replicated state the copy that node's ranks wrote (or, for state that node does
+    not hold, the first node's copy)."""
+    holders: dict[tuple[Any, ...], set[int]] = {}  # replicated box -> nodes with a copy
+    for rank, r in enumerate(results):
+        for c in r.chunks:
+            if c.copy_of is not None and nodes is not None:
+                holders.setdefault((c.name, *c.copy_of), set()).add(nodes[rank])
+    copier = {box: node if node in held else min(held) for box, held in holders.items()}
+
+    def included(rank: int, c: ChunkRecord) -> bool:
+        if node is None or c.copy_of is None or nodes is None:
+            return True
+        return copier[(c.name, *c.copy_of)] == nodes[rank]
+
     chunks_of: dict[str, list[Chunk]] = {}
     meta: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for r in results:
-        for c in r["chunks"]:
-            meta[c["name"]] = (c["dtype"], tuple(c["global_shape"]))
-            chunks_of.setdefault(c["name"], []).append(
-                Chunk(
-                    c["file"],
-                    c["key"],
-                    tuple(c["offsets"]),
-                    tuple(c["shape"]),
-                    c["byte_range"][0],
-                    c["byte_range"][1],
-                    tuple(c["checksums"]),
-                    c["block_rows"],
-                )
-            )
+    files: dict[str, int] = {}
+    for rank, r in enumerate(results):
+        for c in r.chunks:
+            if included(rank, c):
+                meta[c.name] = (c.dtype, c.global_shape)
+                chunks_of.setdefault(c.name, []).append(c.chunk)
+                files[c.chunk.file] = r.files[c.chunk.file]
+        if node is None or (nodes is not None and nodes[rank] == node):
+            files.update(r.files)  # a node's own files, even one of no chunks
     entries = {
         name: TensorEntry(
             name, meta[name][0], meta[name][1], tuple(sorted(chunks, key=lambda c: c.offsets))
         )
         for name, chunks in chunks_of.items()
     }
-    aliases = {a: t for g in gathered for a, t in g["aliases"].items() if a not in entries}
+    aliases = {a: t for g in plan.gathered for a, t in g["aliases"].items() if a not in entries}
     return Index(
-        files={name: size for r in results for name, size in r["files"].items()},
+        files=files,
         entries=entries,
         aliases=aliases,
-        tree=tree,
+        tree=plan.tree,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         library_version=__version__,
         world_size=len(results),
@@ -436,7 +567,7 @@ def _data_start_mod(slots: dict[str, TensorSlot], tensors: dict[str, torch.Tenso
     """Where in a page the data should start so most large tensors move zero-copy.
 
     Direct I/O can skip the bounce buffer for a tensor whose address and file offset
-    agree modulo the page size (storage/local.py). Tensors from the CPU allocator share
+    agree modulo the page size (storage/direct_io.py). Tensors from the CPU allocator share
     one such class (64 with glibc), so aligning the data start to it usually wins
     every large tensor in the file. Small files keep the minimal padding.
     """
@@ -502,71 +633,10 @@ def _pack(
     for name in names:
         nbytes = tensors[name].numel() * tensors[name].element_size()
         if current and size + nbytes > max_bytes:
-            files[shard_file_name(rank, len(files))] = current
+            files[shard_file(rank, len(files))] = current
             current, size = [], 0
         current.append(name)
         size += nbytes
     if current or not files:
-        files[shard_file_name(rank, len(files))] = current
+        files[shard_file(rank, len(files))] = current
     return files
-
-
-def _prepare_directory(storage: CheckpointStorage) -> WriterLock:
-    """Create and lock the directory; clear what a crashed save left there; never touch
-    a committed checkpoint, anything that is not a checkpoint file, or a directory
-    another process is saving to (``ConcurrentWriterError``). Returns the held lock."""
-    where = storage.where
-    lock: WriterLock | None = None
-    try:
-        if is_committed(storage):  # checked before creating anything
-            raise _exists(where)
-        storage.prepare()
-        lock = storage.lock()
-        lock.acquire()
-        if is_committed(storage):  # committed by another process since the first look
-            raise _exists(where)
-        names = storage.list()
-        foreign = [n for n in names if not OWN_FILE.match(n)]
-        if foreign:
-            raise CheckpointError(
-                f"{where}: holds files that are not from an unfinished shardpoint save "
-                f"({foreign[:3]}); save to an empty or new directory"
-            )
-        for name in names:  # leftovers of a crashed save, never committed
-            storage.delete(name)
-        return lock
-    except BaseException as exc:
-        if lock is not None:
-            lock.release()
-        if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
-            raise
-        # OSError locally; the object store's errors too. Nothing of ours is there yet.
-        remove_own(storage, [], remove_directory=True)
-        raise CheckpointError(
-            f"{where}: cannot prepare the checkpoint directory ({exc}); nothing was written "
-            "and earlier checkpoints are untouched. Check free space and permissions (or, for "
-            "an object store, that it is reachable)."
-        ) from exc
-
-
-def _exists(where: str) -> CheckpointExistsError:
-    return CheckpointExistsError(
-        f"{where}: a committed checkpoint already exists here; checkpoints are never "
-        "modified in place. Save to a new path or delete this one first."
-    )
-
-
-def remove_own(storage: CheckpointStorage, names: Iterable[str], *, remove_directory: bool) -> None:
-    """Remove what this rank wrote for a failed save: it leaves no trace to mistake.
-
-    An empty directory left behind (another rank still cleaning up) has no marker, is
-    not a checkpoint, and is cleared by the next save or CheckpointManager start.
-    """
-    for name in names:
-        for leftover in (name, f"{name}.tmp"):
-            try:
-                storage.delete(leftover)
-            except Exception:  # best effort: the save already failed, say why it did
-                pass
-    if remove_directory:
-        storage.remove_if_empty()

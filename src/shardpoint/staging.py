@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .storage.local import ALIGN, BLOCK
+from .storage.io_types import ALIGN, BLOCK
 
 SLOT_BYTES = BLOCK  # one write call per slot, the same size the sync writer uses
 

@@ -178,7 +178,22 @@ def match(target: object, node: Any) -> LoadMatch:
 Finisher = Callable[[Callable[[str], torch.Tensor]], Any]
 
 
-def _match(target: object, node: Any, path: str, m: LoadMatch, *, in_stateful: bool) -> Finisher:
+# A Stateful may define ``stored_keys_to_load(rel_path, keys)``: of a stored dict at
+# ``rel_path`` inside its state, the keys this rank needs (None: all). Per-rank state
+# (RNG streams: every rank saved its own) is then read only where it is restored.
+KeySelector = Callable[[tuple[object, ...], list[object]], "list[object] | None"]
+
+
+def _match(
+    target: object,
+    node: Any,
+    path: str,
+    m: LoadMatch,
+    *,
+    in_stateful: bool,
+    select: KeySelector | None = None,
+    rel: tuple[object, ...] = (),
+) -> Finisher:
     tag = next(iter(node)) if isinstance(node, dict) else None
 
     if tag == "tensor":
@@ -192,7 +207,8 @@ def _match(target: object, node: Any, path: str, m: LoadMatch, *, in_stateful: b
     if is_stateful(target):
         before = target.state_dict()  # type: ignore[union-attr]
         kept = _copy_containers(before)  # finishing fills ``before``'s containers in place
-        inner = _match(before, node, path, m, in_stateful=True)
+        select = getattr(target, "stored_keys_to_load", None)
+        inner = _match(before, node, path, m, in_stateful=True, select=select)
 
         def finish_stateful(tensor: Callable[[str], torch.Tensor]) -> Any:
             # Its tensors are put back first (loading.Undo), then its other state.
@@ -210,13 +226,22 @@ def _match(target: object, node: Any, path: str, m: LoadMatch, *, in_stateful: b
 
     if tag == "dict" and isinstance(target, dict):
         stored = {_decode_key(k): v for k, v in node["dict"]}
+        wanted = select(rel, list(stored)) if select is not None else None
+        if wanted is not None:
+            stored = {k: v for k, v in stored.items() if k in wanted}
         if in_stateful and "param_groups" in target and "param_groups" in stored:
             _match_param_groups(target["param_groups"], stored["param_groups"], path, m)
         children: dict[object, Finisher] = {}
         for key, child in stored.items():
             if key in target:
                 children[key] = _match(
-                    target[key], child, _join(path, key), m, in_stateful=in_stateful
+                    target[key],
+                    child,
+                    _join(path, key),
+                    m,
+                    in_stateful=in_stateful,
+                    select=select,
+                    rel=(*rel, key),
                 )
             elif in_stateful:
                 children[key] = _materialize(child, m)

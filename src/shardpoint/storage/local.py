@@ -1,94 +1,28 @@
-"""Local file system backend: parallel block I/O between tensors and shard files.
-
-Writes use O_DIRECT, which measured several times faster than buffered writes + fsync
-on the benchmark machine (docs/benchmarks.md). A large tensor whose address and file
-offset agree modulo the page size is written straight from its memory; everything
-else is copied into page-aligned bounce buffers first. File systems without O_DIRECT
-(tmpfs, some FUSE mounts) fall back to buffered writes from tensor memory.
-
-Reads use O_DIRECT for files that are not in the page cache and the cache for those
-that are (see ``read_ranges``).
-"""
+"""Local file system backend: a checkpoint directory of a local (or shared POSIX) file
+system. Bulk I/O runs on the O_DIRECT engine (``direct_io.py``); this module adds what
+makes a directory a checkpoint directory: names that cannot escape it, special files
+refused, small files replaced atomically, and the one-writer lock."""
 
 from __future__ import annotations
 
-import bisect
-import errno
 import fcntl
 import mmap
 import os
-import shutil
-import stat
-import threading
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from pathlib import Path
-
-import torch
 
 from ..errors import ConcurrentWriterError, CorruptCheckpointError, file_too_large
 from ..format.index import check_file_name
-
-ALIGN = 4096
-BLOCK = 16 * 1024 * 1024
-# Below this a tensor goes through the bounce buffer even when it is aligned: one copy
-# is cheaper than an extra system call.
-ZERO_COPY_MIN_BYTES = 1024 * 1024
-# Reading a gap this small costs less than another system call.
-COALESCE_GAP = 64 * 1024
-_DIRECT = getattr(os, "O_DIRECT", 0)
-_MAX_IO = 1 << 30  # Linux moves at most ~2 GiB per call; stay well below it.
-FILE_MODE = 0o644  # data, not programs
-
-
-def open_regular(path: Path, flags: int) -> int:
-    """Open ``path`` for reading, refusing anything but a regular file.
-
-    O_NONBLOCK keeps a FIFO from blocking ``open`` forever (it is a no-op on regular
-    files); the fstat check then refuses FIFOs, sockets, devices and directories.
-    """
-    fd = os.open(path, flags | os.O_NONBLOCK)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise CorruptCheckpointError(
-                f"{path}: is a {_kind(mode)}, not a regular file; the checkpoint is damaged "
-                "(or was unpacked wrongly), load an earlier one"
-            )
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "directory"),
-        (stat.S_ISFIFO, "FIFO"),
-        (stat.S_ISSOCK, "socket"),
-        (stat.S_ISCHR, "character device"),
-        (stat.S_ISBLK, "block device"),
-    ):
-        if test(mode):
-            return name
-    return "special file"
-
-
-@contextmanager
-def typed_read_errors(where: str | os.PathLike[str]) -> Iterator[None]:
-    """Turn an OS error while reading a checkpoint into ``CorruptCheckpointError``.
-
-    Callers (``restore`` above all) fall back to an earlier checkpoint on a
-    ``CheckpointError``; a raw ``PermissionError`` or ``ELOOP`` would end the job instead.
-    """
-    try:
-        yield
-    except OSError as exc:
-        raise CorruptCheckpointError(
-            f"{where}: cannot be read ({exc.strerror or exc}); check its permissions and the "
-            "disk, or load an earlier checkpoint"
-        ) from exc
+from . import direct_io
+from .direct_io import (
+    FILE_MODE,
+    fsync_directory,
+    open_regular,
+    pread_into,
+    pwrite_all,
+    typed_read_errors,
+)
+from .io_types import Segment
 
 
 class WriterLock:
@@ -125,143 +59,6 @@ class WriterLock:
             self._fd = None
 
 
-class Segment:
-    """Bytes at ``offset`` in a file, as a flat uint8 tensor (source or destination)."""
-
-    __slots__ = ("offset", "data", "array", "end")
-
-    def __init__(self, offset: int, data: torch.Tensor) -> None:
-        self.offset = offset
-        self.data = data
-        self.array = data.numpy()  # the same memory, for cheap small copies
-        self.end = offset + len(self.array)
-
-
-class _BouncePool:
-    """Page-aligned buffers shared by all I/O jobs of the process and kept between calls.
-
-    Faulting in fresh pages costs more than the I/O of small checkpoints (55 ms for
-    64 MB on the benchmark machine), so buffers live as long as the process: at most
-    one per concurrently running job, BLOCK bytes each.
-    """
-
-    def __init__(self) -> None:
-        self._free: list[Segment] = []
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def buffer(self, offset: int) -> Iterator[Segment]:
-        with self._lock:
-            buf = self._free.pop() if self._free else None
-        if buf is None:
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-            buf = Segment(0, torch.frombuffer(mmap.mmap(-1, BLOCK, flags=flags), dtype=torch.uint8))
-        buf.offset = offset
-        try:
-            yield buf
-        finally:
-            with self._lock:
-                self._free.append(buf)
-
-
-_BOUNCE = _BouncePool()
-
-
-class _Completion:
-    """Counts the bytes still to arrive per segment; calls back when one is complete."""
-
-    def __init__(self, segments: list[Segment], callback: Callable[[Segment], None] | None) -> None:
-        self.callback = callback
-        self.left = {id(s): s.end - s.offset for s in segments}
-        self.lock = threading.Lock()
-        if callback:
-            for s in segments:
-                if s.end == s.offset:
-                    callback(s)
-
-    def add(self, s: Segment, n: int) -> None:
-        if self.callback is None:
-            return
-        with self.lock:
-            self.left[id(s)] -= n
-            complete = self.left[id(s)] == 0
-        if complete:
-            self.callback(s)
-
-
-def _in_page_cache(path: Path, segments: list[Segment]) -> bool:
-    """Whether the first, middle and last byte wanted are cached (non-blocking probes)."""
-    flag = getattr(os, "RWF_NOWAIT", None)
-    if flag is None or not segments:
-        return False
-    probe = bytearray(1)
-    fd = open_regular(path, os.O_RDONLY)
-    try:
-        for offset in (
-            segments[0].offset,
-            segments[len(segments) // 2].offset,
-            segments[-1].end - 1,
-        ):
-            try:
-                if os.preadv(fd, [probe], offset, flag) != 1:
-                    return False
-            except OSError:  # EAGAIN: not cached; EOPNOTSUPP: cannot tell
-                return False
-        return True
-    finally:
-        os.close(fd)
-
-
-def _open(path: Path, flags: int, direct: bool) -> tuple[int, bool]:
-    def attempt(f: int) -> int:
-        return os.open(path, f, FILE_MODE) if flags & os.O_WRONLY else open_regular(path, f)
-
-    if direct and _DIRECT:
-        try:
-            return attempt(flags | _DIRECT), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-    return attempt(flags), False
-
-
-def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    pos = 0
-    while pos < len(data):
-        pos += os.pwrite(fd, data[pos : pos + _MAX_IO], offset + pos)
-
-
-def open_for_write(path: Path) -> tuple[int, bool]:
-    """Create or truncate ``path`` for writing, with O_DIRECT where the file system has
-    it; returns the descriptor and whether it is direct (writes then need whole pages
-    from page-aligned memory)."""
-    return _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, True)
-
-
-def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
-    """Fill ``buf`` from ``offset``; returns the bytes read (short only at end of file)."""
-    pos = 0
-    while pos < len(buf):
-        n = os.preadv(fd, [buf[pos : pos + _MAX_IO]], offset + pos)
-        if n == 0:
-            break
-        pos += n
-    return pos
-
-
-def _copy(dst: Segment, src: Segment, lo: int, hi: int) -> None:
-    """Copy file bytes ``[lo, hi)`` from one segment to another.
-
-    numpy for small pieces, where torch's dispatch costs ~20x the copy itself; torch
-    for large ones, which it copies without holding the GIL.
-    """
-    d, s = lo - dst.offset, lo - src.offset
-    if hi - lo < 65536:
-        dst.array[d : d + hi - lo] = src.array[s : s + hi - lo]
-    else:
-        dst.data[d : d + hi - lo].copy_(src.data[s : s + hi - lo])
-
-
 def _is_dir(entry: os.DirEntry[str]) -> bool:
     try:
         return entry.is_dir()  # follows symlinks, as a reader opening the name would
@@ -272,14 +69,6 @@ def _is_dir(entry: os.DirEntry[str]) -> bool:
 def _outside(path: Path, top: Path) -> bool:
     real, root = os.path.realpath(path), os.path.realpath(top)
     return os.path.commonpath([real, root]) != root
-
-
-def fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalDirectory:
@@ -320,7 +109,7 @@ class LocalDirectory:
             fd = open_regular(path, os.O_RDONLY)
             try:
                 buf = bytearray(hi - lo)
-                n = _pread_into(fd, memoryview(buf), lo)
+                n = pread_into(fd, memoryview(buf), lo)
                 return bytes(buf[:n])
             finally:
                 os.close(fd)
@@ -339,15 +128,22 @@ class LocalDirectory:
     def delete(self, name: str) -> None:
         self.path(name).unlink(missing_ok=True)
 
-    def put_file(self, name: str, source: os.PathLike[str], threads: int) -> None:
-        """Copy a file in, durably (a local "remote" tier, e.g. a mounted file system)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, self.path(name))
-        fd = os.open(self.path(name), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    def open_writer(self, name: str, size: int, *, threads: int = 1) -> direct_io.StreamingFile:
+        """A file of ``size`` bytes written piece by piece (``write(offset, data)``), made
+        durable by ``close()``; ``abort()`` removes it."""
+        return direct_io.StreamingFile(self.path(name), size)
+
+    def map_file(self, name: str) -> mmap.mmap:
+        """A read-only memory map of a regular file (pages stream through the cache)."""
+        path = self.path(name)
+        with typed_read_errors(path):
+            with open(open_regular(path, os.O_RDONLY), "rb") as f:
+                return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def append_small(self, name: str, data: bytes) -> None:
+        """Append to a small log file (not durable: the event log is best effort)."""
+        with open(self.path(name), "ab") as f:
+            f.write(data)
 
     def prepare(self) -> None:
         """Create the directory and make its entry durable in the parent."""
@@ -410,7 +206,7 @@ class LocalDirectory:
         """Write, fsync, then rename into place: readers see all of ``data`` or nothing."""
         final = self.path(name)
         tmp = final.with_name(final.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
             pwrite_all(fd, memoryview(data), 0)
             os.fsync(fd)
@@ -422,29 +218,8 @@ class LocalDirectory:
         self, files: dict[str, tuple[int, list[Segment]]], *, threads: int, direct: bool = True
     ) -> None:
         """Write each file (name -> (size, segments)) with parallel block jobs, then fsync."""
-        fds: list[int] = []
-        try:
-            jobs: list[Callable[[], None]] = []
-            for name, (size, segments) in files.items():
-                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-                fd, is_direct = _open(self.path(name), flags, direct)
-                fds.append(fd)
-                segments = sorted(segments, key=lambda s: s.offset)
-                if not is_direct:
-                    jobs.extend(_buffered_write(fd, s) for s in segments)
-                    continue
-                interiors = _zero_copy_interiors(segments)
-                jobs.extend(_zero_copy_write(fd, s, lo, hi) for lo, hi, s in _blocks(interiors))
-                spans = _gaps(interiors, -(-size // ALIGN) * ALIGN)
-                jobs.extend(_bounce_write(fd, segments, lo, hi, size) for lo, hi in spans)
-            _run(jobs, threads)
-            _run(
-                [_truncate_and_sync(fd, size) for fd, (size, _) in zip(fds, files.values())],
-                threads,
-            )
-        finally:
-            for fd in fds:
-                os.close(fd)
+        paths = {self.path(name): spec for name, spec in files.items()}
+        direct_io.write_files(paths, threads=threads, direct=direct)
 
     def read_ranges(
         self,
@@ -454,209 +229,7 @@ class LocalDirectory:
         direct: bool = True,
         on_segment: Callable[[Segment], None] | None = None,
     ) -> None:
-        """Fill every destination segment from its file (name -> segments), in parallel.
-
-        A file whose pages are in the page cache is read through it (8 GB/s warm on the
-        benchmark machine); one that is not is read with O_DIRECT (2.2x faster than
-        buffered cold reads there), zero-copy into congruent tensors like writes.
-        Either way small segments are coalesced into spans read through a bounce
-        buffer, so 10,000 small tensors cost a handful of calls. ``direct=False`` always
-        reads through the cache (small lazy reads). ``on_segment(s)`` runs on an I/O
-        thread as soon as all of ``s`` is in place, so checksums overlap the reads.
-        """
-        fds: list[int] = []
-        try:
-            jobs: list[Callable[[], None]] = []
-            done = _Completion([s for ss in requests.values() for s in ss], on_segment)
-            for name, segments in requests.items():
-                path, where = self.path(name), str(self.path(name))
-                segments = sorted((s for s in segments if s.end > s.offset), key=lambda s: s.offset)
-                with typed_read_errors(path):
-                    use_direct = direct and not _in_page_cache(path, segments)
-                    fd, use_direct = _open(path, os.O_RDONLY, use_direct)
-                fds.append(fd)
-                if use_direct:
-                    interiors = _zero_copy_interiors(segments)
-                    jobs.extend(
-                        _read_into(fd, s, lo, hi, where, done) for lo, hi, s in _blocks(interiors)
-                    )
-                    spans = _bounce_read_spans(segments, interiors)
-                    jobs.extend(_bounce_read(fd, segments, lo, hi, where, done) for lo, hi in spans)
-                    continue
-                large = [s for s in segments if s.end - s.offset >= ZERO_COPY_MIN_BYTES]
-                small = [s for s in segments if s.end - s.offset < ZERO_COPY_MIN_BYTES]
-                for s in large:
-                    jobs.extend(
-                        _read_into(fd, s, lo, hi, where, done) for lo, hi in _split(s.offset, s.end)
-                    )
-                jobs.extend(
-                    _bounce_read(fd, small, lo, hi, where, done) for lo, hi in _coalesce(small)
-                )
-            _run(jobs, threads)
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-
-def _run(jobs: list[Callable[[], None]], threads: int) -> None:
-    if threads <= 1 or len(jobs) <= 1:
-        for job in jobs:
-            job()
-        return
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shardpoint-io") as pool:
-        futures = [pool.submit(job) for job in jobs]
-        for future in futures:
-            future.result()
-
-
-# ---- planning: which bytes move zero-copy, which through bounce buffers -------------
-
-
-def _zero_copy_interiors(segments: list[Segment]) -> list[tuple[int, int, Segment]]:
-    """Page-aligned file ranges that can move straight between the file and tensor memory.
-
-    O_DIRECT needs the memory address, the file offset and the length page aligned. When
-    a tensor's address and its file offset are congruent modulo the page size, every
-    whole page inside it qualifies. The writer places data so large tensors from the
-    CPU allocator are congruent (see ``data_alignment``).
-    """
-    out = []
-    for s in segments:
-        if s.data.numel() < ZERO_COPY_MIN_BYTES or (s.data.data_ptr() - s.offset) % ALIGN:
-            continue
-        lo, hi = -(-s.offset // ALIGN) * ALIGN, s.end // ALIGN * ALIGN
-        if hi > lo:
-            out.append((lo, hi, s))
-    return out
-
-
-def _blocks(ranges: list[tuple[int, int, Segment]]) -> Iterable[tuple[int, int, Segment]]:
-    for lo, hi, s in ranges:
-        for a in range(lo, hi, BLOCK):
-            yield a, min(a + BLOCK, hi), s
-
-
-def _split(lo: int, hi: int) -> Iterable[tuple[int, int]]:
-    for a in range(lo, hi, BLOCK):
-        yield a, min(a + BLOCK, hi)
-
-
-def _gaps(interiors: list[tuple[int, int, Segment]], end: int) -> list[tuple[int, int]]:
-    """Page-aligned spans of ``[0, end)`` not covered by the interiors, at most BLOCK long."""
-    spans, pos = [], 0
-    for lo, hi, _ in sorted(interiors, key=lambda r: r[0]):
-        spans.extend(_split(pos, lo))
-        pos = hi
-    spans.extend(_split(pos, end))
-    return spans
-
-
-def _bounce_read_spans(
-    segments: list[Segment], interiors: list[tuple[int, int, Segment]]
-) -> list[tuple[int, int]]:
-    """Page-aligned spans covering what the interiors leave of the segments, merged."""
-    inner = {id(s): (lo, hi) for lo, hi, s in interiors}
-    pieces: list[tuple[int, int]] = []
-    for s in segments:
-        if s.data.numel() == 0:
-            continue
-        if id(s) in inner:
-            lo, hi = inner[id(s)]
-            pieces += [(a, b) for a, b in ((s.offset, lo), (hi, s.end)) if b > a]
-        else:
-            pieces.append((s.offset, s.end))
-    merged: list[list[int]] = []
-    for a, b in sorted(pieces):
-        a, b = a // ALIGN * ALIGN, -(-b // ALIGN) * ALIGN
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [span for a, b in merged for span in _split(a, b)]
-
-
-def _coalesce(segments: list[Segment]) -> list[tuple[int, int]]:
-    """Spans covering sorted segments, bridging gaps under COALESCE_GAP, at most BLOCK long."""
-    spans: list[list[int]] = []
-    for s in segments:
-        if spans and s.offset - spans[-1][1] <= COALESCE_GAP and s.end - spans[-1][0] <= BLOCK:
-            spans[-1][1] = max(spans[-1][1], s.end)
-        else:
-            spans.append([s.offset, s.end])
-    return [(a, b) for a, b in spans]
-
-
-def _overlapping(segments: list[Segment], lo: int, hi: int) -> Iterable[Segment]:
-    i = max(bisect.bisect_right(segments, lo, key=lambda s: s.offset) - 1, 0)
-    while i < len(segments) and segments[i].offset < hi:
-        if segments[i].end > lo:
-            yield segments[i]
-        i += 1
-
-
-# ---- jobs ------------------------------------------------------------------------------
-
-
-def _zero_copy_write(fd: int, s: Segment, lo: int, hi: int) -> Callable[[], None]:
-    return lambda: pwrite_all(fd, memoryview(s.array)[lo - s.offset : hi - s.offset], lo)
-
-
-def _bounce_write(
-    fd: int, segments: list[Segment], lo: int, hi: int, size: int
-) -> Callable[[], None]:
-    def job() -> None:
-        with _BOUNCE.buffer(lo) as buf:
-            end = min(hi, size)
-            for s in _overlapping(segments, lo, end):
-                _copy(buf, s, max(s.offset, lo), min(s.end, end))
-            if hi > end:  # the tail page past the end of the file; truncated away later
-                buf.array[end - lo : hi - lo] = 0
-            pwrite_all(fd, memoryview(buf.array)[: hi - lo], lo)
-
-    return job
-
-
-def _buffered_write(fd: int, s: Segment) -> Callable[[], None]:
-    return lambda: pwrite_all(fd, memoryview(s.array), s.offset) if s.data.numel() else None
-
-
-def _truncate_and_sync(fd: int, size: int) -> Callable[[], None]:
-    def job() -> None:
-        os.ftruncate(fd, size)  # drops the page padding of the last O_DIRECT block
-        os.fsync(fd)
-
-    return job
-
-
-def _truncated(where: str, byte: int) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{where}: file is truncated (ends before byte {byte})")
-
-
-def _read_into(
-    fd: int, s: Segment, lo: int, hi: int, where: str, done: _Completion
-) -> Callable[[], None]:
-    def job() -> None:
-        with typed_read_errors(where):
-            n = _pread_into(fd, memoryview(s.array)[lo - s.offset : hi - s.offset], lo)
-        if n != hi - lo:
-            raise _truncated(where, hi)
-        done.add(s, hi - lo)
-
-    return job
-
-
-def _bounce_read(
-    fd: int, segments: list[Segment], lo: int, hi: int, where: str, done: _Completion
-) -> Callable[[], None]:
-    def job() -> None:
-        with _BOUNCE.buffer(lo) as buf:
-            with typed_read_errors(where):
-                got = _pread_into(fd, memoryview(buf.array)[: hi - lo], lo)
-            for s in _overlapping(segments, lo, hi):
-                a, b = max(s.offset, lo), min(s.end, hi)
-                if b - lo > got:
-                    raise _truncated(where, b)
-                _copy(s, buf, a, b)
-                done.add(s, b - a)
-
-    return job
+        """Fill every destination segment from its file (name -> segments), in parallel
+        (``direct_io.read_ranges``)."""
+        paths = {self.path(name): segments for name, segments in requests.items()}
+        direct_io.read_ranges(paths, threads=threads, direct=direct, on_segment=on_segment)

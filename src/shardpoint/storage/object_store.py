@@ -16,6 +16,7 @@ time. Configuration comes from the library's usual environment (``AWS_ENDPOINT_U
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -24,7 +25,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError, file_too_large
 from ..format.index import check_file_name
-from .local import BLOCK, Segment
+from .io_types import BLOCK, Segment
 
 _STORES: dict[tuple[str, str], Any] = {}
 # Ranges closer than this are fetched in one GET (one request costs ~ this many bytes).
@@ -145,17 +146,16 @@ class ObjectStoreDirectory:
         """One PUT: S3 makes an object visible whole or not at all."""
         self.obs.put(self.store, self._key(name), data, use_multipart=False)
 
-    def put_file(self, name: str, path: os.PathLike[str], threads: int) -> None:
-        """Upload a local file (parallel multipart; aborted on failure)."""
-        from pathlib import Path
+    def open_writer(self, name: str, size: int, *, threads: int = 1) -> _ObjectWriter:
+        """An object of ``size`` bytes written piece by piece (``write(offset, data)``, in
+        any order), uploaded as parallel multipart parts and visible only after
+        ``close()``; ``abort()`` leaves no object."""
+        return _ObjectWriter(self, name, size, threads)
 
-        self.obs.put(
-            self.store,
-            self._key(name),
-            Path(path),
-            chunk_size=PART_BYTES,
-            max_concurrency=max(threads, 1),
-        )
+    def append_small(self, name: str, data: bytes) -> None:
+        """Append to a small log object (objects cannot grow: read, then rewrite)."""
+        old = self.read_small(name, 1 << 30) or b""
+        self.write_small_durably(name, old + data)
 
     def delete(self, name: str) -> None:
         try:
@@ -285,6 +285,52 @@ def _each(fn: Callable[[Any], None], items: list[Any], threads: int) -> None:
     with ThreadPoolExecutor(min(threads, len(items)), "shardpoint-object") as pool:
         for future in [pool.submit(fn, item) for item in items]:
             future.result()
+
+
+class _ObjectWriter:
+    """Pieces arrive in any order from several threads; the upload needs them in order.
+
+    Each piece is copied when it arrives (the caller reuses its buffer at once) and
+    held until the bytes before it have been handed on. The writer uploads full parts
+    in parallel while later pieces arrive.
+    """
+
+    def __init__(self, directory: ObjectStoreDirectory, name: str, size: int, threads: int) -> None:
+        self.where, self.size = directory.location(name), size
+        self._file = directory.obs.open_writer(
+            directory.store,
+            directory._key(name),
+            buffer_size=PART_BYTES,
+            max_concurrency=max(threads, 1),
+        )
+        self._next = 0
+        self._waiting: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+
+    def write(self, offset: int, data: memoryview) -> None:
+        piece = bytes(data[: max(self.size - offset, 0)])  # cut any padding past the end
+        with self._lock:
+            self._waiting[offset] = piece
+            while self._next in self._waiting and self._next < self.size:
+                piece = self._waiting.pop(self._next)
+                self._file.write(piece)
+                self._next += len(piece)
+
+    def close(self) -> None:
+        if self._next != self.size:
+            self.abort()
+            raise OSError(f"{self.where}: {self.size - self._next} bytes were never written")
+        self._file.close()
+
+    def abort(self) -> None:
+        """Abort the multipart upload: the object never appears and no parts stay
+        behind. (obstore aborts when its writer is left through an exception.)"""
+        self._waiting.clear()
+        error = OSError(f"{self.where}: upload aborted")
+        try:
+            self._file.__exit__(OSError, error, None)
+        except Exception:  # best effort: an unfinished upload is never visible either
+            pass
 
 
 class _NoLock:

@@ -12,9 +12,9 @@ import os
 import signal
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from .. import dist
@@ -26,9 +26,9 @@ from ..errors import (
 )
 from ..loading import load
 from ..reader import CheckpointReader
-from ..saving import DEFAULT_MAX_SHARD_BYTES, DEFAULT_THREADS, SaveInfo, save
-from ..storage import CheckpointStorage
-from ..storage.local import LocalDirectory
+from ..saving import DEFAULT_MAX_SHARD_BYTES, DEFAULT_THREADS, SaveInfo, SaveOptions, run_save
+from ..storage import CheckpointStorage, is_url, open_storage
+from ..storage.layered import LayeredCheckpoint
 from .memory_tier import MemoryTier
 from .retention import KeptCheckpoint, RetentionPolicy
 from .tiers import CheckpointTier, Uploader
@@ -38,6 +38,8 @@ class EventLog:
     """JSON lines: one object per save, upload, restore, fallback, deletion, signal.
 
     Appended to a local file; on an object store (no append) the object is rewritten.
+    With node-local directories each node keeps its own log: rank 0's holds saves,
+    uploads and restores, every node's holds its own deletions.
     Writing is best effort: a full or read-only disk must not turn a committed save or
     a restore into a failure, so a failed write is a warning (once), never an error.
     """
@@ -54,12 +56,7 @@ class EventLog:
         line = json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n"
         with self._lock:
             try:
-                if isinstance(self.storage, LocalDirectory):
-                    with open(self.storage.path(self.NAME), "a", encoding="utf-8") as f:
-                        f.write(line)
-                else:
-                    old = self.storage.read_small(self.NAME, self.MAX_BYTES) or b""
-                    self.storage.write_small_durably(self.NAME, old + line.encode())
+                self.storage.append_small(self.NAME, line.encode())
             except Exception as exc:  # OSError (ENOSPC, EROFS...), the object store's too
                 if not self._warned:
                     self._warned = True
@@ -141,6 +138,9 @@ class CheckpointManager:
             raise ValueError("keep_best needs best_metric: the metrics key to rank checkpoints by")
         self.tier = CheckpointTier(directory, storage_options)
         self.directory = self.tier.storage.root  # a Path, or the URL
+        # Node-local disks (the same path on every node, different disks): every node
+        # prepares, commits and retains its own copy. Found out, not assumed.
+        self.per_node = _directory_per_node(self.tier.storage)
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.policy = RetentionPolicy(keep_last, keep_every_n_steps, keep_best, best_mode)
@@ -167,26 +167,31 @@ class CheckpointManager:
                 threads=threads,
                 max_shard_size=max_shard_size,
                 if_busy=if_busy,
+                storage_options=storage_options,
+                per_node=self.per_node,
             )
             if async_save
             else None
         )
-        self._saving_to: Path | None = None  # the async save in flight
+        self._saving_to: Any = None  # the async save in flight
         self._last_save = time.monotonic()
         self._signal: int | None = None
         self._stop = False
         self._previous_handlers: dict[int, Any] = {}
         self._install_handlers(preemption_signals)
+        self._remove_leftovers()
         self._uploader: Uploader | None = None
-        if dist.rank() == 0:
-            self._remove_leftovers()
-            if self.remote is not None:
-                # One uploader (rank 0) copies the whole checkpoint: the local tier must
-                # be one directory every rank writes to (docs/storage.md).
-                self._uploader = Uploader(
-                    self.tier, self.remote, self.events.write, self._apply_remote_retention, threads
-                )
-                self._uploader.notify()  # an upload a crash interrupted restarts now
+        if self.remote is not None:
+            # Every rank uploads its own files; rank 0 commits the remote copy.
+            self._uploader = Uploader(
+                self.tier, self.remote, self._upload_event, self._apply_remote_retention, threads
+            )
+            self._uploader.notify()  # an upload a crash interrupted restarts now
+
+    @property
+    def _keeps_local(self) -> bool:
+        """Whether this rank prepares, retains and cleans the local directory."""
+        return dist.rank() == 0 or (self.per_node and dist.is_node_leader())
 
     # ---- where checkpoints live ---------------------------------------------------------
 
@@ -194,7 +199,8 @@ class CheckpointManager:
         return self.tier.path_for(step)
 
     def steps(self) -> list[int]:
-        """Steps of committed checkpoints, oldest first (committed, not necessarily valid)."""
+        """Steps of committed checkpoints on this node's disk, oldest first (committed,
+        not necessarily valid)."""
         return self.tier.steps()
 
     def remote_steps(self) -> list[int]:
@@ -207,14 +213,16 @@ class CheckpointManager:
         Best effort: on a read-only mount (an evaluation job) or when another process is
         saving one of them right now, they stay, and restore still works.
         """
-        for tier in (self.tier, self.remote):
+        tiers = [self.tier] if self._keeps_local else []
+        if dist.rank() == 0 and self.remote is not None:
+            tiers.append(self.remote)
+        for tier in tiers:
             try:
-                leftovers = tier.leftovers() if tier is not None else []
+                leftovers = tier.leftovers()
             except CheckpointError as exc:
                 self._cannot_delete(None, exc)
                 continue
             for step in leftovers:
-                assert tier is not None
                 self._delete(tier, step, "cleanup")
 
     def _delete(self, source: CheckpointTier, step: int, event: str, **fields: Any) -> None:
@@ -224,27 +232,37 @@ class CheckpointManager:
         except (OSError, CheckpointError) as exc:  # read-only, permissions, another writer
             self._cannot_delete(source.path_for(step), exc)
             return
-        self._log(event, step=step, path=str(source.path_for(step)), **fields)
+        self.events.write(event, step=step, path=str(source.path_for(step)), **fields)
 
     def _cannot_delete(self, path: Any, exc: BaseException) -> None:
         where = path if path is not None else self.directory
         warnings.warn(f"{where}: left in place, cannot delete it ({exc})", stacklevel=3)
-        self._log("delete_failed", path=str(where), error=str(exc))
+        self.events.write("delete_failed", path=str(where), error=str(exc))
 
     # ---- restore --------------------------------------------------------------------------
 
     def restore(self, state: Any) -> int | None:
-        """Load the newest valid checkpoint into ``state``; returns its step, or None.
+        """Load the newest checkpoint every rank can read into ``state``; returns its
+        step, or None.
 
-        A damaged or incomplete newest checkpoint is skipped with a warning and the
-        previous one is tried. ``StateMismatchError`` (the state does not fit) is raised:
-        an older checkpoint would not fit either.
+        Each rank reads every file from its node's copy when it has it, else from the
+        remote tier, so a replaced node reads only what it lacks. A damaged or
+        incomplete newest checkpoint is skipped with a warning and the next copy, then
+        the previous step, is tried. ``StateMismatchError`` (the state does not fit)
+        is raised: an older checkpoint would not fit either.
+
+        With a remote tier an upload that a crash interrupted is finished first: on
+        node-local disks a rank may need files only another node holds, which the
+        remote then has.
         """
+        if self._uploader is not None:
+            self._uploader.flush()
         local = set(self.steps())
-        remote = set(self.remote_steps())
+        remote = set(dist.broadcast_json(self.remote_steps() if dist.rank() == 0 else None))
+        local_anywhere = {s for steps in dist.all_gather_json(sorted(local)) for s in steps}
         if self.memory is not None:
             in_memory = self.memory.newest_step()  # collective: ranks agree on it
-            if in_memory is not None and in_memory >= max(local | remote, default=-1):
+            if in_memory is not None and in_memory >= max(local_anywhere | remote, default=-1):
                 start = time.perf_counter()
                 try:
                     self.memory.restore(state, in_memory)
@@ -259,45 +277,78 @@ class CheckpointManager:
                 except CorruptCheckpointError as exc:
                     warnings.warn(f"{exc}; restoring from storage instead", stacklevel=2)
                     self._log("fallback", step=in_memory, tier="memory", error=str(exc))
-        candidates = [
-            (step, tier.path_for(step))
-            for step in sorted(local | remote, reverse=True)
-            for tier, has in ((self.tier, local), (self.remote, remote))
-            if tier is not None and step in has
-        ]
-        for step, path in candidates:
-            start = time.perf_counter()
-            mismatch: StateMismatchError | None = None
-            error = None
-            try:
-                load(state, path, verify=self.verify == "full", threads=self.threads)
-            except StateMismatchError as exc:
-                mismatch, error = exc, f"mismatch: {exc}"
-            except CheckpointError as exc:  # corrupt, incomplete, unreadable
-                error = str(exc)
-            # Ranks agree: a checkpoint is used only if it loaded on every rank.
-            errors = [e for e in dist.all_gather_json(error) if e]
-            if mismatch is not None:
-                raise mismatch
-            if any(e.startswith("mismatch: ") for e in errors):
-                raise StateMismatchError(f"another rank could not load {path}: {errors[0]}")
-            if errors:
-                warnings.warn(
-                    f"checkpoint at step {step} is not usable ({errors[0]}); falling back to "
-                    "the next copy or the previous checkpoint",
-                    stacklevel=2,
-                )
-                self._log("fallback", step=step, path=str(path), error=errors[0])
-                continue
-            self._log(
-                "restore", step=step, path=str(path), seconds=round(time.perf_counter() - start, 4)
-            )
-            return step
+        for step in sorted(local_anywhere | remote, reverse=True):
+            tries = []
+            if local_anywhere and step in local_anywhere:
+                tries.append(("local", step in local, step in remote))
+            if step in remote:
+                tries.append(("remote", False, True))
+            for tier, use_local, use_remote in tries:
+                if self._try_restore(state, step, tier, use_local, use_remote):
+                    return step
         return None
+
+    def _try_restore(
+        self, state: Any, step: int, tier: str, use_local: bool, use_remote: bool
+    ) -> bool:
+        """Collective: load ``step`` from this rank's copies; True if every rank did."""
+        copies = [self.tier.open(step)] if use_local else []
+        if use_remote and self.remote is not None:
+            copies.append(self.remote.open(step))
+        path = str(self.path_for(step) if tier == "local" else self.remote.path_for(step))  # type: ignore[union-attr]
+        start = time.perf_counter()
+        mismatch: StateMismatchError | None = None
+        error = None
+        view = LayeredCheckpoint(copies) if copies else None
+        try:
+            if view is None:
+                raise CorruptCheckpointError(f"{path}: no copy of step {step} on this node")
+            load(state, view, verify=self.verify == "full", threads=self.threads)
+        except StateMismatchError as exc:
+            mismatch, error = exc, f"mismatch: {exc}"
+        except CheckpointError as exc:  # corrupt, incomplete, unreadable
+            error = f"rank {dist.rank()}: {exc}"
+        # Ranks agree: a checkpoint is used only if it loaded on every rank.
+        errors = [e for e in dist.all_gather_json(error) if e]
+        if mismatch is not None:
+            raise mismatch
+        if any(e.startswith("mismatch: ") for e in errors):
+            raise StateMismatchError(f"another rank could not load {path}: {errors[0]}")
+        if errors:
+            warnings.warn(
+                f"checkpoint at step {step} is not usable ({errors[0]}); falling back to "
+                "the next copy or the previous checkpoint",
+                stacklevel=3,
+            )
+            self._log("fallback", step=step, path=path, error=errors[0])
+            return False
+        read = dist.all_gather_json(view.bytes_read if view is not None else {})
+        from_remote = sum(
+            n for r in read for where, n in r.items() if self.remote and self.remote.root in where
+        )
+        self._log(
+            "restore",
+            step=step,
+            path=path,
+            bytes_from_remote=from_remote,
+            seconds=round(time.perf_counter() - start, 4),
+        )
+        return True
 
     def _log(self, event: str, **fields: Any) -> None:
         if dist.rank() == 0:
             self.events.write(event, **fields)
+
+    def _upload_event(self, event: str, **fields: Any) -> None:
+        """Uploads run in the background: a failure is logged and warned about (the local
+        copies stand; the next commit retries), never raised into training."""
+        if event == "upload_failed" and dist.rank() == 0:
+            warnings.warn(
+                f"upload of step {fields.get('step')} to the remote tier failed: "
+                f"{fields.get('error')}; the local copies are intact, the next save retries",
+                stacklevel=2,
+            )
+        self._log(event, **fields)
 
     # ---- save -----------------------------------------------------------------------------
 
@@ -348,19 +399,18 @@ class CheckpointManager:
         preempting = self._signal is not None
         if self._saver is not None and (preempting or self._saving_to == path):
             self.wait()  # the final save must not race the one in flight
-        if self.tier.committed(step):
+        committed = self.tier.committed(step)
+        if self.per_node:  # nodes may differ (a replaced node): one answer for all
+            committed = bool(dist.max_of([int(committed)])[0])
+        if committed:
             self._after_save()
             return None
         metadata = {"step": step, "metrics": dict(metrics or {})}
         reason = "preemption" if preempting else "interval"
         if self._saver is None or preempting:
-            info = save(
-                state,
-                path,
-                max_shard_size=self.max_shard_size,
-                threads=self.threads,
-                metadata=metadata,
-            )
+            options = SaveOptions(self.max_shard_size, self.threads, metadata, self.per_node)
+            info = run_save(state, open_storage(path, self.tier.options), options)
+            assert isinstance(info, SaveInfo)
             self._committed(step, info, metrics, reason)
             self._after_save()
             return info
@@ -380,7 +430,8 @@ class CheckpointManager:
     def _committed(
         self, step: int, info: SaveInfo, metrics: dict[str, float] | None, reason: str
     ) -> None:
-        """Log a committed save and apply retention (on the thread that committed it)."""
+        """Log a committed save, apply retention and start its upload (on the thread
+        that committed it, on every rank)."""
         self._log(
             "save",
             step=step,
@@ -393,13 +444,13 @@ class CheckpointManager:
             metrics=dict(metrics or {}),
             reason=reason,
         )
-        if dist.rank() == 0:
+        if self._keeps_local:
             try:
                 self._apply_retention()
             except (OSError, CheckpointError) as exc:  # the save itself stands
                 self._cannot_delete(None, exc)
-            if self._uploader is not None:
-                self._uploader.notify(step)
+        if self._uploader is not None:
+            self._uploader.notify(step)
 
     def wait(self) -> None:
         """Block until the background save in flight (if any) is committed; raises its error."""
@@ -424,8 +475,9 @@ class CheckpointManager:
                     pass  # unreadable: no metric, kept or dropped by the other rules
             candidates.append(KeptCheckpoint(step, metric))
         keep = self.policy.keep(candidates)
+        uploading = self._uploader.busy_step if self._uploader is not None else None
         for c in candidates:
-            if c.step not in keep:
+            if c.step not in keep and c.step != uploading:
                 self._delete(self.tier, c.step, "delete")
 
     def _apply_remote_retention(self) -> None:
@@ -437,7 +489,8 @@ class CheckpointManager:
                 self._delete(self.remote, step, "delete", tier="remote")
 
     def wait_for_uploads(self, timeout: float | None = None) -> bool:
-        """Block until the remote tier holds the newest local checkpoint; False on timeout."""
+        """Block until this rank's uploads are done (the remote tier then holds the
+        newest checkpoint unless an upload failed); False on timeout."""
         return self._uploader.flush(timeout) if self._uploader is not None else True
 
     # ---- preemption ---------------------------------------------------------------------------
@@ -496,6 +549,39 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _directory_per_node(storage: CheckpointStorage) -> bool:
+    """Collective: whether the manager's directory is a different one on each node.
+
+    Each node's first rank leaves a probe file in it; if one of them cannot see every
+    other node's probe, the directories are node-local. One node, an object store or a
+    directory that cannot be written (a read-only mount) counts as shared.
+    """
+    if not dist.is_distributed():
+        return False
+    token = uuid.uuid4().hex if dist.rank() == 0 else None
+    leaders = dist.all_gather_json([dist.is_node_leader(), token])
+    token = leaders[0][1]
+    probes = {f"probe-{token}-{r}" for r, (leads, _) in enumerate(leaders) if leads}
+    mine = f"probe-{token}-{dist.rank()}"
+    if len(probes) < 2 or is_url(storage.where):
+        return False
+    wrote = False
+    if mine in probes:
+        try:
+            storage.write_small_durably(mine, b"")
+            wrote = True
+        except (OSError, CheckpointError):
+            pass
+    dist.all_gather_json(None)  # every probe written before anyone looks
+    sees_all = None
+    if wrote:
+        sees_all = probes <= set(storage.list())
+    verdicts = dist.all_gather_json(sees_all)
+    if wrote:
+        storage.delete(mine)
+    return any(v is False for v in verdicts)
 
 
 def _job_name(directory: Any) -> str:

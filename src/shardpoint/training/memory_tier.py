@@ -26,11 +26,12 @@ from typing import Any
 import torch
 
 from .. import dist
-from ..checkpoint_dir import OWN_FILE
+from ..commit import Commit
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from ..format.index import INDEX_NAME, MARKER_NAME
 from ..loading import load
+from ..names import INDEX_NAME, MARKER_NAME, is_own_file, parse_step_dir, step_dir
 from ..saving import save
+from ..storage import open_storage
 from ..tree import flatten
 
 DEFAULT_ROOT = "/dev/shm/shardpoint"
@@ -69,10 +70,10 @@ class MemoryTier:
     # ---- layout ------------------------------------------------------------------------
 
     def own_dir(self, step: int, rank: int | None = None) -> Path:
-        return self.base / "own" / f"rank{self.rank if rank is None else rank:05d}" / _step(step)
+        return self.base / "own" / f"rank{self.rank if rank is None else rank:05d}" / step_dir(step)
 
     def replica_dir(self, rank: int, step: int) -> Path:
-        return self.base / "replica" / f"rank{rank:05d}" / _step(step)
+        return self.base / "replica" / f"rank{rank:05d}" / step_dir(step)
 
     def buddies(self, rank: int) -> list[int]:
         return [(rank + k * self.per_node) % self.world for k in range(1, self.replicas + 1)]
@@ -80,9 +81,10 @@ class MemoryTier:
     def _committed_steps(self, parent: Path) -> dict[int, dict[str, int]]:
         """step -> {file: size} of committed copies under ``parent``."""
         out: dict[int, dict[str, int]] = {}
-        for d in parent.glob("step-*") if parent.is_dir() else []:
-            if (d / MARKER_NAME).exists():
-                out[int(d.name[5:])] = {p.name: p.stat().st_size for p in d.iterdir()}
+        for d in parent.iterdir() if parent.is_dir() else []:
+            step = parse_step_dir(d.name)
+            if step is not None and Commit(open_storage(d)).is_committed():
+                out[step] = {p.name: p.stat().st_size for p in d.iterdir()}
         return out
 
     # ---- save -----------------------------------------------------------------------------
@@ -165,9 +167,9 @@ class MemoryTier:
     def _prune(self, newest: int) -> None:
         for parent in [self.base / "own" / f"rank{self.rank:05d}", *self._replica_parents()]:
             steps = sorted(self._committed_steps(parent))
-            for d in parent.glob("step-*") if parent.is_dir() else []:
-                step = int(d.name[5:])
-                if step not in steps[-self.keep :] and step <= newest:
+            for d in parent.iterdir() if parent.is_dir() else []:
+                step = parse_step_dir(d.name)
+                if step is not None and step not in steps[-self.keep :] and step <= newest:
                     shutil.rmtree(d, ignore_errors=True)
 
     def _replica_parents(self) -> list[Path]:
@@ -270,16 +272,12 @@ def _transfers(available: list[dict[str, Any]], step: int, world: int) -> list[t
 
 
 def _files(d: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in d.iterdir() if OWN_FILE.match(p.name)}
+    return {p.name: p.stat().st_size for p in d.iterdir() if is_own_file(p.name)}
 
 
 def _ordered(names: list[str]) -> list[str]:
     """Shards first, then the index, then the marker: a copy is committed last."""
     return sorted(names, key=lambda n: (n == MARKER_NAME, n == INDEX_NAME, n))
-
-
-def _step(step: int) -> str:
-    return f"step-{step:09d}"
 
 
 def _remove_stale_jobs(root: Path, keep: Path) -> None:

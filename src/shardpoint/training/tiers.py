@@ -1,34 +1,28 @@
-"""Checkpoint tiers: the ``step-NNNNNNNNN`` checkpoints under one directory or URL,
-and the background uploader that copies committed checkpoints from the fast local
-tier to the remote one.
+"""Checkpoint tiers: the ``step-NNNNNNNNN`` checkpoints under one directory or URL, and
+the uploads from the fast local tier to the remote one.
 
-An upload follows the commit protocol on the remote side: shard files first, then
-the index, then the marker, so an interrupted upload is an uncommitted prefix that
-no reader takes for a checkpoint (and the next upload clears).
+Every rank uploads only its own files, in parallel with every other rank; rank 0
+commits the remote copy (index, then marker) once every rank's files are durable
+there. An interrupted upload is an uncommitted prefix that no reader takes for a
+checkpoint (and the next upload of that step clears).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..checkpoint_dir import (
-    MAX_INDEX_BYTES,
-    MAX_MARKER_BYTES,
-    OWN_FILE,
-    delete_checkpoint,
-    foreign_files,
-    is_committed,
-)
-from ..format.index import INDEX_NAME, MARKER_NAME
+from .. import dist
+from ..checkpoint_dir import MAX_INDEX_BYTES
+from ..commit import Commit
+from ..format.index import Index, parse_index
+from ..names import INDEX_NAME, is_own_file, parse_step_dir, shard_rank, step_dir
 from ..storage import CheckpointStorage, join, open_storage
-from ..storage.local import LocalDirectory
-
-_STEP_DIR = re.compile(r"^step-(\d{9,})$")
+from ..storage.io_types import BLOCK
 
 
 class CheckpointTier:
@@ -40,46 +34,45 @@ class CheckpointTier:
         self.root = root
         self.options = storage_options
         self.storage = open_storage(root, storage_options)
-        if isinstance(self.storage, LocalDirectory) and not self.storage.root.is_dir():
-            self.storage.root.mkdir(parents=True, exist_ok=True)  # skipped on a read-only mount
+        if not self.storage.exists():  # an existing one may be a read-only mount
+            self.storage.prepare()
 
     def path_for(self, step: int) -> Any:
-        return join(self.root, f"step-{step:09d}")
+        return join(self.root, step_dir(step))
 
     def open(self, step: int) -> CheckpointStorage:
         return open_storage(self.path_for(step), self.options)
 
+    def commit_of(self, step: int) -> Commit:
+        return Commit(self.open(step))
+
     def step_dirs(self) -> list[int]:
-        return sorted(
-            int(m.group(1)) for m in map(_STEP_DIR.match, self.storage.subdirectories()) if m
-        )
+        steps = (parse_step_dir(name) for name in self.storage.subdirectories())
+        return sorted(s for s in steps if s is not None)
 
     def committed(self, step: int) -> bool:
-        return is_committed(self.open(step))
+        return self.commit_of(step).is_committed()
 
     def steps(self) -> list[int]:
         """Steps of committed checkpoints, oldest first."""
         return [s for s in self.step_dirs() if self.committed(s)]
 
     def delete(self, step: int) -> None:
-        delete_checkpoint(self.open(step))
+        self.commit_of(step).delete()
 
     def leftovers(self) -> list[int]:
         """Step directories without a marker that hold only checkpoint files."""
-        out = []
-        for step in self.step_dirs():
-            storage = self.open(step)
-            if not is_committed(storage) and not foreign_files(storage):
-                out.append(step)
-        return out
+        return [s for s in self.step_dirs() if self.commit_of(s).is_leftover()]
 
 
 class Uploader:
     """Copies committed local checkpoints to the remote tier on a background thread.
 
-    Only the newest committed local checkpoint that the remote lacks is uploaded each
-    time (an older one is superseded). ``on_event(name, **fields)`` reports uploads,
-    failures and lag. ``flush()`` waits until the remote has caught up.
+    Collective: every rank runs one, and each ``notify`` (a commit, which every rank
+    sees) is one upload round on every rank, on a process group of its own. A round
+    uploads the newest committed step any rank has been told of, so a superseded one
+    is skipped. ``on_event(name, **fields)`` reports uploads (rank 0) and failures;
+    ``flush()`` waits until this rank's rounds are done.
     """
 
     def __init__(
@@ -94,97 +87,173 @@ class Uploader:
         self.on_event = on_event
         self.after_upload = after_upload
         self.threads = threads
-        self._wanted = threading.Event()
-        self._idle = threading.Event()
-        self._idle.set()
+        self.group = dist.new_cpu_group()  # collective: every rank builds its uploader
+        self.rank = dist.rank()
+        self.busy_step: int | None = None  # retention keeps the step being uploaded
+        self._rounds = 0
+        self._newest: int | None = None
         self._stop = False
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._committed_at: dict[int, float] = {}
         self._thread = threading.Thread(target=self._run, name="shardpoint-upload", daemon=True)
         self._thread.start()
 
     def notify(self, step: int | None = None) -> None:
-        """A local checkpoint was committed (or we just started): catch up."""
-        with self._lock:
+        """A local checkpoint was committed on every rank (or the job just started)."""
+        with self._cond:
             if step is not None:
                 self._committed_at[step] = time.time()
-            self._idle.clear()
-            self._wanted.set()
+                self._newest = max(step, self._newest if self._newest is not None else step)
+            self._rounds += 1
+            self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every committed local checkpoint that should be remote is."""
-        return self._idle.wait(timeout)
+        """Wait until this rank's upload rounds are done; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._rounds == 0, timeout)
 
     def close(self) -> None:
         self.flush()
-        self._stop = True
-        self._wanted.set()
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
         self._thread.join()
 
     def _run(self) -> None:
         while True:
-            self._wanted.wait()
-            if self._stop:
-                return
-            with self._lock:
-                self._wanted.clear()
+            with self._cond:
+                self._cond.wait_for(lambda: self._rounds > 0 or self._stop)
+                if self._rounds == 0:
+                    return
+                newest = self._newest
             try:
-                self._catch_up()
-            except Exception as exc:  # reported; the next notify tries again
+                self._round(newest)
+            except Exception as exc:  # a round never kills the thread; the next one retries
                 self.on_event("upload_failed", error=f"{type(exc).__name__}: {exc}")
-            with self._lock:
-                if not self._wanted.is_set():
-                    self._idle.set()
+            with self._cond:
+                self._rounds -= 1
+                self._cond.notify_all()
 
-    def _catch_up(self) -> None:
-        local = self.local.steps()
-        if not local:
+    def _round(self, newest: int | None) -> None:
+        """One upload round; every rank runs the same collectives whatever fails."""
+        if newest is None:  # started, not yet told of a step: offer the newest local one
+            steps = _try(self.local.steps)
+            newest = steps[-1] if isinstance(steps, list) and steps else None
+        proposals = dist.all_gather_json(newest, self.group)
+        offered = [p for p in proposals if p is not None]
+        if not offered:
             return
-        step = local[-1]
-        if self.remote.committed(step):
-            return
+        step = max(offered)
+        self.busy_step = step
+        try:
+            self._upload(step)
+        finally:
+            self.busy_step = None
+
+    def _upload(self, step: int) -> None:
         start = time.perf_counter()
-        nbytes = upload_checkpoint(self.local.open(step), self.remote.open(step), self.threads)
+        go = None
+        if self.rank == 0:
+            go = _try(lambda: self._clear_remote(step))
+        go = dist.broadcast_json(go, 0, self.group)
+        if not isinstance(go, list):  # committed already, or the remote cannot be reached
+            if self.rank == 0 and go != "committed":
+                self.on_event("upload_failed", step=step, error=go)
+            return
+        mine = _try(lambda: self._upload_own_files(step, set(go)))
+        reports = dist.gather_json(mine, 0, self.group)
+        if reports is None:
+            return
+        errors = [f"rank {r}: {e}" for r, e in enumerate(reports) if not isinstance(e, int)]
+        error = errors[0] if errors else _try(lambda: self._commit_remote(step))
+        path = str(self.remote.path_for(step))
+        if error is not None:
+            self.on_event("upload_failed", step=step, path=path, error=error)
+            return
         seconds = time.perf_counter() - start
+        nbytes = sum(reports)
         lag = time.time() - self._committed_at.get(step, time.time() - seconds)
         self.on_event(
             "upload",
             step=step,
-            path=str(self.remote.path_for(step)),
+            path=path,
             bytes=nbytes,
+            ranks=len(reports),
             seconds=round(seconds, 4),
             lag_seconds=round(lag, 4),
             gb_per_s=round(nbytes / max(seconds, 1e-9) / 1e9, 3),
         )
         self.after_upload()
 
+    def _clear_remote(self, step: int) -> str | list[str]:
+        """Rank 0: the files the remote copy needs (those rank 0's local index names),
+        after removing what an interrupted upload left; or "committed"."""
+        target = self.remote.commit_of(step)
+        if target.is_committed():
+            return "committed"
+        target.abort([n for n in target.storage.list() if is_own_file(n)], remove_directory=False)
+        return list(self._local_index(step).files)
 
-def upload_checkpoint(source: CheckpointStorage, target: CheckpointStorage, threads: int) -> int:
-    """Copy one committed checkpoint: clear leftovers, shards in parallel, then the index,
-    then the marker. Returns the bytes copied."""
-    for name in target.list():  # an interrupted earlier upload: never committed
-        if OWN_FILE.match(name):
-            target.delete(name)
-    names = [n for n in source.list() if OWN_FILE.match(n) and not n.endswith(".tmp")]
-    shards = [n for n in names if n not in (INDEX_NAME, MARKER_NAME)]
-    copy_files(source, target, shards, threads)
-    index = source.read_small(INDEX_NAME, MAX_INDEX_BYTES)
-    marker = source.read_small(MARKER_NAME, MAX_MARKER_BYTES)
-    if index is None or marker is None:
-        raise FileNotFoundError(f"{source.where}: not committed (deleted while uploading?)")
-    target.write_small_durably(INDEX_NAME, index)
-    target.sync()
-    target.write_small_durably(MARKER_NAME, marker)
-    target.sync()
-    return sum(source.size(n) or 0 for n in shards) + len(index) + len(marker)
+    def _local_index(self, step: int) -> Index:
+        source = self.local.open(step)
+        raw = source.read_small(INDEX_NAME, MAX_INDEX_BYTES)
+        if raw is None or not Commit(source).is_committed():
+            raise FileNotFoundError(f"{source.where}: not committed in the local tier")
+        return parse_index(raw, source.location(INDEX_NAME))
+
+    def _upload_own_files(self, step: int, wanted: set[str]) -> int:
+        """This rank's files of ``step`` that the remote copy needs, from its local copy
+        (a node's own copies of replicated state stay local); returns the bytes."""
+        source = self.local.open(step)
+        if not Commit(source).is_committed():
+            raise FileNotFoundError(f"{source.where}: not committed in the local tier")
+        names = [n for n in source.list() if shard_rank(n) == self.rank and n in wanted]
+        target = self.remote.open(step)
+        return copy_files(source, target, names, self.threads)
+
+    def _commit_remote(self, step: int) -> None:
+        """Rank 0: every rank's files are durable remotely; the index, then the marker."""
+        index = self.local.open(step).read_small(INDEX_NAME, MAX_INDEX_BYTES)
+        if index is None:
+            raise FileNotFoundError(f"{self.local.path_for(step)}: the index is gone")
+        missing = set(parse_index(index, INDEX_NAME).files) - set(self.remote.open(step).list())
+        if missing:  # a rank of another world size wrote them: nobody here uploads them
+            raise FileNotFoundError(f"not uploaded by any rank: {sorted(missing)[:3]}")
+        self.remote.commit_of(step).finish(index)
+
+
+def copy_file(source: CheckpointStorage, target: CheckpointStorage, name: str, threads: int) -> int:
+    """Stream one file between any two storages (an object store uploads it in parallel
+    multipart parts); returns its size."""
+    size = source.size(name)
+    if size is None:
+        raise FileNotFoundError(f"{source.location(name)}: missing")
+    writer = target.open_writer(name, size, threads=threads)
+    try:
+        offset = 0
+        for block in source.iter_bytes(name, BLOCK):
+            writer.write(offset, block)
+            offset += len(block)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return size
 
 
 def copy_files(
     source: CheckpointStorage, target: CheckpointStorage, names: list[str], threads: int
-) -> None:
-    """Stream whole local files to another storage (an object store uploads each in
-    parallel multipart parts)."""
-    if not isinstance(source, LocalDirectory):
-        raise NotImplementedError("uploads go from the local tier to the remote one")
-    for name in names:
-        target.put_file(name, source.path(name), threads)
+) -> int:
+    """Several files, a few at a time; returns the bytes copied."""
+    if len(names) <= 1:
+        return sum(copy_file(source, target, n, threads) for n in names)
+    with ThreadPoolExecutor(min(threads, len(names)), "shardpoint-copy") as pool:
+        return sum(pool.map(lambda n: copy_file(source, target, n, threads), names))
+
+
+def _try(fn: Callable[[], Any]) -> Any:
+    """``fn()``, or its error as text: a rank that fails still joins the collectives."""
+    try:
+        return fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"

@@ -14,25 +14,30 @@ from ..tree import is_stateful
 from .rng import capture_rng, reseed_streams, restore_rng
 
 
-def _streams_for(rank: int, saved: dict[int, Any]) -> dict[str, Any]:
-    """This rank's RNG streams; on a world-size change, the documented re-derivation.
-
-    A rank that was saved gets its own streams back. A rank that did not exist at save
-    time (more ranks now) takes the streams of saved rank ``rank % old_world_size`` and
-    reseeds them from that state and its own rank, so no two ranks share a stream.
-    """
-    old_world = len(saved)
-    if rank in saved:
-        if old_world != dist.world_size() and rank == 0:
+def _stream_source(rank: int, saved_ranks: list[Any]) -> Any:
+    """Whose saved RNG streams this rank restores: its own, or on a world-size change
+    (a rank that did not exist at save time) those of saved rank ``rank % old_world``.
+    Decided from the stored keys alone, so a rank reads one rank's streams, not all."""
+    if rank in saved_ranks:
+        if len(saved_ranks) != dist.world_size() and rank == 0:
             warnings.warn(
-                f"RNG streams were saved on {old_world} ranks and are restored on "
+                f"RNG streams were saved on {len(saved_ranks)} ranks and are restored on "
                 f"{dist.world_size()}: ranks present at save time get their own streams back, "
                 "new ranks get streams derived from a saved rank's and their own rank number, "
                 "so random draws differ from a run on the original world size",
-                stacklevel=3,
+                stacklevel=5,
             )
+        return rank
+    return sorted(saved_ranks)[rank % len(saved_ranks)]
+
+
+def _streams_for(rank: int, saved: dict[Any, Any]) -> dict[str, Any]:
+    """This rank's RNG streams from what was loaded (its source's, see ``_stream_source``):
+    its own back, or the source's reseeded from its own rank, so no two ranks share a
+    stream."""
+    if rank in saved:
         return saved[rank]
-    return reseed_streams(saved[sorted(saved)[rank % old_world]], rank)
+    return reseed_streams(saved[_stream_source(rank, list(saved))], rank)
 
 
 class TrainState:
@@ -93,6 +98,14 @@ class TrainState:
             # Keyed by rank: every rank has streams of its own, and the saved tree holds all.
             sd["rng"] = {dist.rank(): capture_rng()}
         return sd
+
+    def stored_keys_to_load(
+        self, rel: tuple[object, ...], keys: list[object]
+    ) -> list[object] | None:
+        """Of the saved RNG streams (every rank's), only the ones this rank restores."""
+        if rel == ("rng",) and keys:
+            return [_stream_source(dist.rank(), keys)]
+        return None
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.step = sd["step"]

@@ -1,0 +1,138 @@
+"""The commit protocol of one checkpoint directory, on any storage backend.
+
+A checkpoint is visible only once its marker exists, and the marker is written only
+after everything it covers is durable: shard files, then ``index.json``, then
+``COMMITTED``. Every path that writes, checks, uploads, retains or deletes a checkpoint
+goes through ``Commit``; nothing else writes or looks for a marker.
+
+The backend supplies what differs: on a local file system ``write_small_durably`` is
+write + fsync + rename and ``sync`` fsyncs the directory, and a ``flock`` keeps a
+second writer out; on an object store each small file is one PUT (visible whole or not
+at all), ``sync`` has nothing to do and there is no lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from .format.index import marker_json
+from .names import INDEX_NAME, MARKER_NAME, is_own_file
+from .storage import CheckpointStorage, WriterLock
+
+
+class Commit:
+    """begin / finish / is_committed / abort / delete of one checkpoint directory."""
+
+    def __init__(self, storage: CheckpointStorage) -> None:
+        self.storage = storage
+        self._lock: WriterLock | None = None
+
+    def is_committed(self) -> bool:
+        """Whether the marker exists. One that exists but cannot even be looked at (a
+        symlink loop) counts: readers then report it, and restore falls back."""
+        try:
+            return self.storage.size(MARKER_NAME) is not None
+        except CorruptCheckpointError:
+            return True
+
+    def is_leftover(self) -> bool:
+        """Never committed, and holding only files a save writes (a crashed save)."""
+        return not self.is_committed() and not self.foreign_files()
+
+    def foreign_files(self) -> list[str]:
+        return [name for name in self.storage.list() if not is_own_file(name)]
+
+    def begin(self) -> None:
+        """Create and lock the directory and clear what a crashed save left there.
+
+        Never touches a committed checkpoint (``CheckpointExistsError``), a directory
+        holding anything that is not a checkpoint file, or one another process is
+        saving to (``ConcurrentWriterError``). The lock is held until ``release``.
+        """
+        where = self.storage.where
+        try:
+            if self.is_committed():  # checked before creating anything
+                raise _exists(where)
+            self.storage.prepare()
+            self._lock = self.storage.lock()
+            self._lock.acquire()
+            if self.is_committed():  # committed by another process since the first look
+                raise _exists(where)
+            names = self.storage.list()
+            foreign = [n for n in names if not is_own_file(n)]
+            if foreign:
+                raise CheckpointError(
+                    f"{where}: holds files that are not from an unfinished shardpoint save "
+                    f"({foreign[:3]}); save to an empty or new directory"
+                )
+            for name in names:  # leftovers of a crashed save, never committed
+                self.storage.delete(name)
+        except BaseException as exc:
+            self.release()
+            if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+                raise
+            # OSError locally; the object store's errors too. Nothing of ours is there yet.
+            self.abort([], remove_directory=True)
+            raise CheckpointError(
+                f"{where}: cannot prepare the checkpoint directory ({exc}); nothing was "
+                "written and earlier checkpoints are untouched. Check free space and "
+                "permissions (or, for an object store, that it is reachable)."
+            ) from exc
+
+    def finish(self, index: bytes) -> None:
+        """Make the checkpoint visible: the index durable first, then the marker."""
+        self.storage.write_small_durably(INDEX_NAME, index)
+        self.storage.sync()
+        self.storage.write_small_durably(MARKER_NAME, marker_json(index))
+        self.storage.sync()
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def abort(self, names: Iterable[str], *, remove_directory: bool) -> None:
+        """Remove what this writer wrote for a failed save: it leaves no trace to mistake.
+
+        An empty directory left behind (another rank still cleaning up) has no marker,
+        is not a checkpoint, and is cleared by the next save or manager start.
+        """
+        for name in names:
+            for leftover in (name, f"{name}.tmp"):
+                try:
+                    self.storage.delete(leftover)
+                except Exception:  # best effort: the save already failed, say why it did
+                    pass
+        if remove_directory:
+            self.storage.remove_if_empty()
+
+    def delete(self) -> None:
+        """Remove the checkpoint, marker first, under the writer lock.
+
+        Once the marker is gone no reader takes the directory for a checkpoint, so a
+        crash halfway leaves an uncommitted leftover, never a damaged "valid" one.
+        Files that are not shardpoint's are left alone (and keep the directory). A
+        directory another process is saving to raises ``ConcurrentWriterError``.
+        """
+        if not self.storage.exists():
+            return
+        lock = self.storage.lock()
+        lock.acquire()
+        try:
+            if self.is_committed():
+                self.storage.delete(MARKER_NAME)
+                self.storage.sync()
+            for name in self.storage.list():
+                if is_own_file(name):
+                    self.storage.delete(name)
+            self.storage.remove_if_empty()
+        finally:
+            lock.release()
+
+
+def _exists(where: str) -> CheckpointExistsError:
+    return CheckpointExistsError(
+        f"{where}: a committed checkpoint already exists here; checkpoints are never "
+        "modified in place. Save to a new path or delete this one first."
+    )

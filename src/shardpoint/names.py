@@ -1,0 +1,48 @@
+"""The one place that builds and parses the names of checkpoint files and directories.
+
+A manager's directory holds one ``step-NNNNNNNNN`` directory per checkpoint; a
+checkpoint directory holds ``rankRRRRR-KKKKK.safetensors`` shard files (rank R's K-th
+file), ``index.json`` and the ``COMMITTED`` marker. Anything else is not ours.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .format.index import INDEX_NAME, MARKER_NAME
+
+_STEP_DIR = re.compile(r"^step-(\d{9,})$")
+_SHARD_FILE = re.compile(r"^rank(\d{5})-(\d{5})\.safetensors$")
+# Every name a save writes (``.tmp``: a small file or stream not yet renamed into place).
+_OWN_FILE = re.compile(r"^(index\.json|COMMITTED|rank\d{5}-\d{5}\.safetensors)(\.tmp)?$")
+
+__all__ = ["INDEX_NAME", "MARKER_NAME"]
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a ``step-NNNNNNNNN`` directory name, else None."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def shard_file(rank: int, k: int) -> str:
+    return f"rank{rank:05d}-{k:05d}.safetensors"
+
+
+def shard_rank(name: str) -> int | None:
+    """The rank that wrote shard file ``name``, else None."""
+    m = _SHARD_FILE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_own_file(name: str) -> bool:
+    """Whether a save could have written ``name`` (finished or not)."""
+    return _OWN_FILE.match(name) is not None
+
+
+def is_finished_file(name: str) -> bool:
+    return is_own_file(name) and not name.endswith(".tmp")
