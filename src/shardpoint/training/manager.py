@@ -295,7 +295,8 @@ class CheckpointManager:
         copies = [self.tier.open(step)] if use_local else []
         if use_remote and self.remote is not None:
             copies.append(self.remote.open(step))
-        path = str(self.path_for(step) if tier == "local" else self.remote.path_for(step))  # type: ignore[union-attr]
+        named = self.remote if tier == "remote" and self.remote is not None else self.tier
+        path = str(named.path_for(step))
         start = time.perf_counter()
         mismatch: StateMismatchError | None = None
         error = None
@@ -322,15 +323,18 @@ class CheckpointManager:
             )
             self._log("fallback", step=step, path=path, error=errors[0])
             return False
-        read = dist.all_gather_json(view.bytes_read if view is not None else {})
-        from_remote = sum(
-            n for r in read for where, n in r.items() if self.remote and self.remote.root in where
+        remote_root = str(self.remote.root) if self.remote is not None else None
+        from_remote = dist.all_gather_json(
+            sum(n for where, n in view.bytes_read.items() if remote_root and remote_root in where)
+            if view is not None
+            else 0
         )
         self._log(
             "restore",
             step=step,
             path=path,
-            bytes_from_remote=from_remote,
+            bytes_from_remote=sum(from_remote),
+            bytes_from_remote_by_rank=from_remote,
             seconds=round(time.perf_counter() - start, 4),
         )
         return True
