@@ -2,7 +2,8 @@
 
 2 ranks as 2 simulated nodes (gloo on one machine, a shared-memory directory each),
 a row-sharded state of --mb MB in all. Measured on each rank, slowest rank reported:
-  save stall: MemoryTier.save (own copy in tmpfs + copy to the buddy) vs shardpoint.save
+  save stall: MemoryTier.save (stages; own copy in tmpfs + copy to the buddy in the
+  background) vs an async disk save (AsyncSaver) vs shardpoint.save
   to the local disk;
   recovery: from own memory; from the buddy (node 1's memory wiped); from local disk
   (page cache dropped); from the S3 server (moto, its own process).
@@ -82,7 +83,16 @@ def _rank(rank: int, world: int, root: str, shm: str, mb: int, endpoint: str, bu
             r.wait()
 
     timed("transport floor: gloo send+recv of the bytes", exchange)
-    timed("save stall: memory tier (own + buddy copy)", tier.save, 1, state)
+    timed("save stall: memory tier, first save (pool faulted in)", tier.save, 0, state)
+    timed("memory tier: own + buddy copy complete after that", tier.wait)
+    timed("save stall: memory tier (staging only)", tier.save, 1, state)
+    timed("memory tier: own + buddy copy complete after the stall", tier.wait)
+    saver = shardpoint.AsyncSaver()
+    saver.save(state, f"{root}/async/step-0").wait()  # faults its pool in
+    timed(
+        "save stall: async disk (AsyncSaver, warm pool)", saver.save, state, f"{root}/async/step-1"
+    )
+    saver.wait()
     timed("save stall: local disk", shardpoint.save, state, f"{root}/disk/step-1")
     timed("save: S3 server", shardpoint.save, state, f"s3://{bucket}/step-1")
 

@@ -245,13 +245,13 @@ def test_preemption_with_an_async_save_in_flight_finishes_it_then_saves(tmp_path
 def _held_background(monkeypatch) -> threading.Event:  # noqa: ANN001
     """Hold back every background thread of a save (writers, hasher, commit) until the
     returned event is set: whatever they read, they read after the test went on."""
-    gate, real = threading.Event(), background._lower_priority
+    gate, real = threading.Event(), background.lower_priority
 
     def held(nice):  # noqa: ANN001, ANN202
         gate.wait()
         real(nice)
 
-    monkeypatch.setattr(background, "_lower_priority", held)
+    monkeypatch.setattr(background, "lower_priority", held)
     return gate
 
 

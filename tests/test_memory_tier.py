@@ -134,6 +134,7 @@ def test_a_corrupt_memory_copy_is_never_used(tmp_path, monkeypatch):
     )
     manager.maybe_save(1, {"w": torch.ones(1000)})
     manager.save_to_memory(2, {"w": torch.full((1000,), 2.0)})
+    manager.memory.wait()  # the copy is written in the background
     (shard,) = manager.memory.own_dir(2).glob("*.safetensors")
     raw = bytearray(shard.read_bytes())
     raw[-4] ^= 0xFF
@@ -153,6 +154,7 @@ def test_a_memory_copy_tagged_with_another_rank_world_size_or_step_is_refused(
         tmp_path / "disk", every_n_steps=1, memory_every_n_steps=1, preemption_signals=()
     )
     manager.maybe_save(1, {"w": torch.ones(1000)})  # on disk and in memory
+    manager.memory.wait()
     # Step 2's copy where this rank looks for it: a complete, intact checkpoint of the
     # right shape, but tagged (like every memory copy) as another rank's, another world
     # size's or another step's state.
@@ -171,11 +173,13 @@ def test_a_memory_copy_tagged_with_another_rank_world_size_or_step_is_refused(
 
 def test_memory_budget_and_release(tmp_path):
     tier = MemoryTier("job", root=tmp_path, max_bytes=1000)
+    tier.save(1, {"w": torch.zeros(1000)})
     with pytest.raises(CheckpointError, match="exceed max_bytes"):
-        tier.save(1, {"w": torch.zeros(1000)})
+        tier.wait()  # saves run in the background: their errors surface here
     tier = MemoryTier("job", root=tmp_path, max_bytes=10_000)
     tier.save(1, {"w": torch.zeros(1000)})
     tier.save(2, {"w": torch.ones(1000)})
+    tier.wait()
     assert sorted(p.name for p in tier.own_dir(2).parent.iterdir()) == ["step-000000002"]
     tier.close(release=True)
     assert not tier.own_dir(2).exists()
@@ -190,3 +194,18 @@ def test_stale_jobs_are_freed(tmp_path):
     os.utime(tmp_path / "old-job", (0, 0))
     MemoryTier("new-job", root=tmp_path)
     assert not (tmp_path / "old-job").exists() and (tmp_path / "new-job").exists()
+
+
+def test_a_memory_save_only_stages_on_the_caller_and_keeps_the_values_at_the_call(tmp_path):
+    """The caller returns once the state is staged; tensors changed right after the
+    call do not change the copy, and a restore waits for the copy in flight."""
+    tier = MemoryTier("job", root=tmp_path)
+    state = {"w": torch.arange(300_000, dtype=torch.float32)}
+    stall = tier.save(1, state)
+    state["w"].fill_(-1.0)  # training goes on at once
+    assert stall >= 0
+    assert tier.newest_step() == 1  # waits for the save in flight
+    restored = {"w": torch.zeros(300_000)}
+    tier.restore(restored, 1)
+    assert torch.equal(restored["w"], torch.arange(300_000, dtype=torch.float32))
+    tier.close(release=True)

@@ -210,7 +210,7 @@ def _finish_in_background(
     on_done: Callable[[SaveInfo | None, BaseException | None], None] | None,
     nice: int,
 ) -> None:
-    _lower_priority(nice)
+    lower_priority(nice)
     info: SaveInfo | None = None
     error: BaseException | None = None
     try:
@@ -225,7 +225,7 @@ def _finish_in_background(
     handle._finish(info, error)
 
 
-def _lower_priority(nice: int) -> None:
+def lower_priority(nice: int) -> None:
     """Make the calling thread yield the CPU to training (Linux: per-thread niceness)."""
     if nice <= 0 or not hasattr(os, "setpriority"):
         return
@@ -358,10 +358,10 @@ class _Persist:
         self._held: list[tuple[Slot, _OpenFile, int, int]] = []
         self._lock = threading.Lock()
         self._writers = ThreadPoolExecutor(
-            threads, "shardpoint-write", initializer=_lower_priority, initargs=(nice,)
+            threads, "shardpoint-write", initializer=lower_priority, initargs=(nice,)
         )
         self._hasher = ThreadPoolExecutor(
-            1, "shardpoint-hash", initializer=_lower_priority, initargs=(nice,)
+            1, "shardpoint-hash", initializer=lower_priority, initargs=(nice,)
         )
 
     def open(self, shards: list[ShardFile]) -> None:

@@ -134,14 +134,14 @@ def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
     return all_gather_json(value if rank() == src else None, group)[src]
 
 
-def isend_bytes(data: torch.Tensor, dst: int, tag: int) -> Any:
+def isend_bytes(data: torch.Tensor, dst: int, tag: int, group: Any = None) -> Any:
     """Start sending a uint8 tensor to rank ``dst`` (point to point, CPU group)."""
-    return dist.isend(data, dst=dst, group=_cpu_group(), tag=tag)
+    return dist.isend(data, dst=dst, group=group or _cpu_group(), tag=tag)
 
 
-def irecv_bytes(buffer: torch.Tensor, src: int, tag: int) -> Any:
+def irecv_bytes(buffer: torch.Tensor, src: int, tag: int, group: Any = None) -> Any:
     """Start receiving into a uint8 tensor from rank ``src``."""
-    return dist.irecv(buffer, src=src, group=_cpu_group(), tag=tag)
+    return dist.irecv(buffer, src=src, group=group or _cpu_group(), tag=tag)
 
 
 def max_of(values: list[int], group: Any = None) -> list[int]:

@@ -381,11 +381,23 @@ class CheckpointManager:
         return self.save(step, state, metrics=metrics) is not None
 
     def save_to_memory(self, step: int, state: Any) -> None:
-        """Collective: keep ``state`` in this node's memory and on the buddies'."""
+        """Collective: keep ``state`` in this node's memory and on the buddies'. Returns
+        once it is staged; the rest runs in the background (``MemoryTier.save``)."""
         assert self.memory is not None, "no memory tier: pass memory_every_n_steps"
-        start = time.perf_counter()
-        self.memory.save(step, state)
-        self._log("memory_save", step=step, seconds=round(time.perf_counter() - start, 4))
+        stall: list[float] = []
+
+        def on_done(seconds: float, error: BaseException | None) -> None:
+            if error is None:
+                self._log(
+                    "memory_save",
+                    step=step,
+                    seconds=round(seconds, 4),
+                    blocked_seconds=round(stall[0] if stall else seconds, 4),
+                )
+            else:
+                self._log("memory_save_failed", step=step, error=str(error))
+
+        stall.append(self.memory.save(step, state, on_done=on_done))
 
     def save(
         self, step: int, state: Any, *, force: bool = False, metrics: dict[str, float] | None = None

@@ -19,18 +19,22 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import dist
+from ..background_save import Stager, lower_priority
 from ..commit import Commit
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ..loading import load
 from ..names import INDEX_NAME, MARKER_NAME, is_own_file, parse_step_dir, step_dir
-from ..saving import save
+from ..saving import DEFAULT_THREADS, SaveOptions, run_save
+from ..staging import StagingPool
 from ..storage import open_storage
 from ..tree import flatten
 
@@ -43,7 +47,9 @@ class MemoryTier:
 
     ``job`` names the run (one namespace per job on a node); ``max_bytes`` bounds what
     one rank keeps (its own copy plus the replicas it holds): a save over budget is
-    skipped with an error. ``close(release=True)`` frees the memory on a clean exit.
+    skipped with an error. Saves are asynchronous: the caller only stages. A copy
+    becomes visible (own or replica) only once complete, marker last.
+    ``close(release=True)`` frees the memory on a clean exit.
     """
 
     def __init__(
@@ -55,6 +61,8 @@ class MemoryTier:
         ranks_per_node: int | None = None,
         keep: int = 1,
         max_bytes: int | None = None,
+        pool_bytes: int | None = None,
+        nice: int = 19,
     ) -> None:
         self.base = Path(root or os.environ.get("SHARDPOINT_SHM_DIR", DEFAULT_ROOT)) / job
         self.rank, self.world = dist.rank(), dist.world_size()
@@ -64,6 +72,13 @@ class MemoryTier:
         self.keep = keep
         self.max_bytes = max_bytes
         self.bytes_received = 0  # over torch.distributed by the last restore (for tests)
+        self.nice = nice  # of the background thread (see AsyncSaver)
+        # Staging memory of its own (``pool_bytes`` bounds it, as for AsyncSaver): a
+        # memory save may run while a disk save is still writing from its pool.
+        self._stager = Stager(StagingPool(pool_bytes), DEFAULT_THREADS, nice)
+        self.group = dist.new_cpu_group()  # collective: every rank builds its tier
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
         self.base.mkdir(parents=True, exist_ok=True)
         _remove_stale_jobs(self.base.parent, keep=self.base)
 
@@ -89,33 +104,94 @@ class MemoryTier:
 
     # ---- save -----------------------------------------------------------------------------
 
-    def save(self, step: int, state: Any) -> None:
-        """Collective: every rank keeps its state in memory and sends it to its buddies."""
+    def save(
+        self,
+        step: int,
+        state: Any,
+        on_done: Callable[[float, BaseException | None], None] | None = None,
+    ) -> float:
+        """Collective: keep ``state`` in this node's memory and on the buddies'.
+
+        Returns once the state is staged (the stall, in seconds): writing to shared
+        memory and sending to the buddies happen on a background thread, on a process
+        group of their own. ``on_done(seconds, error)`` runs there at the end. A failure
+        is raised by ``wait()`` (the next save, a restore or ``close`` calls it).
+        """
+        self.wait()
+        start = time.perf_counter()
+        finish: Callable[[], Any] | None = None
         error = None
         try:
             self._check_budget(state)
             target = self.own_dir(step)
             if target.exists():
                 shutil.rmtree(target)  # a crashed earlier attempt at this step
-            with dist.solo():
-                save(state, target, metadata=self._identity(step))
-        except CheckpointError as exc:
+            options = SaveOptions(metadata=self._identity(step))
+            with dist.solo():  # this rank's state as a checkpoint of its own
+                staged = run_save(state, open_storage(target), options, self._stager)
+            assert callable(staged)
+            finish = staged
+        except CheckpointError as exc:  # still joins the collectives, on the thread
             error = f"rank {self.rank}: {exc}"
+        stall = time.perf_counter() - start
+        self._thread = threading.Thread(
+            target=self._persist,
+            args=(step, finish, error, start, on_done),
+            name="shardpoint-memory",
+        )
+        self._thread.start()
+        return stall
+
+    def wait(self, *, raise_error: bool = True) -> None:
+        """Wait for the memory save in flight; raise its error once (``raise_error``)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None and raise_error:
+            raise error
+
+    def _persist(
+        self,
+        step: int,
+        finish: Callable[[], Any] | None,
+        error: str | None,
+        start: float,
+        on_done: Callable[[float, BaseException | None], None] | None,
+    ) -> None:
+        lower_priority(self.nice)
+        failure: BaseException | None = None
+        try:
+            if finish is not None:
+                try:
+                    with dist.solo():
+                        finish()
+                except CheckpointError as exc:
+                    error = f"rank {self.rank}: {exc}"
+            self._send_to_buddies(step, error)
+        except BaseException as exc:  # delivered by wait(), never lost
+            failure = exc
+        self._error = failure
+        if on_done is not None:
+            on_done(time.perf_counter() - start, failure)
+
+    def _send_to_buddies(self, step: int, error: str | None) -> None:
+        own = self.own_dir(step)
         manifests = dist.all_gather_json(
-            {"error": error, "files": _files(self.own_dir(step)) if error is None else {}}
+            {"error": error, "files": _files(own) if error is None else {}}, self.group
         )
         failed = [m["error"] for m in manifests if m["error"]]
         if failed:
-            shutil.rmtree(self.own_dir(step), ignore_errors=True)
+            shutil.rmtree(own, ignore_errors=True)
             raise CheckpointError(f"memory tier save of step {step} failed: {failed[0]}")
         for k in range(1, self.replicas + 1):
             to = (self.rank + k * self.per_node) % self.world
             frm = (self.rank - k * self.per_node) % self.world
             self._exchange(
-                send=(to, self.own_dir(step)),
+                send=(to, own),
                 recv=(frm, manifests[frm]["files"], self.replica_dir(frm, step)),
             )
-        dist.all_gather_json(None)  # every copy durable in memory before anyone prunes
+        dist.all_gather_json(None, self.group)  # every copy durable before anyone prunes
         self._prune(step)
 
     def _check_budget(self, state: Any) -> None:
@@ -143,14 +219,14 @@ class MemoryTier:
             to, src = send
             for i, name in enumerate(_ordered(list(_files(src)))):
                 data = _file_bytes(src / name, maps)  # mapped from tmpfs: no copy
-                requests.append(dist.isend_bytes(data, to, tag=i))
+                requests.append(dist.isend_bytes(data, to, tag=i, group=self.group))
         received: list[tuple[str, torch.Tensor, int]] = []
         if recv is not None:
             frm, files, _ = recv
             for i, name in enumerate(_ordered(list(files))):
                 buf = torch.empty(max(files[name], 1), dtype=torch.uint8)
                 received.append((name, buf, files[name]))
-                requests.append(dist.irecv_bytes(buf, frm, tag=i))
+                requests.append(dist.irecv_bytes(buf, frm, tag=i, group=self.group))
         for r in requests:
             r.wait()
         maps.clear()
@@ -180,8 +256,10 @@ class MemoryTier:
     # ---- restore ------------------------------------------------------------------------------
 
     def newest_step(self) -> int | None:
-        """Collective: the newest step every rank can recover from memory (own or a buddy's)."""
-        self._available = dist.all_gather_json(self._holdings())
+        """Collective: the newest step every rank can recover from memory (own or a buddy's).
+        A save in flight finishes first; one that failed is simply not a candidate."""
+        self.wait(raise_error=False)
+        self._available = dist.all_gather_json(self._holdings(), self.group)
         return _recoverable(self._available, self.world)
 
     def restore(self, state: Any, step: int) -> None:
@@ -219,7 +297,9 @@ class MemoryTier:
         return {"own": sorted(own), "held": held}
 
     def close(self, *, release: bool = False) -> None:
-        """``release=True`` (a clean end of training) frees this rank's memory."""
+        """Finish the save in flight (raising its error); ``release=True`` (a clean end
+        of training) frees this rank's memory."""
+        self.wait()
         if release:
             shutil.rmtree(self.base / "own" / f"rank{self.rank:05d}", ignore_errors=True)
             for parent in self._replica_parents():
