@@ -49,8 +49,11 @@ class CommittedCheckpoint:
         """Parse ``file``'s safetensors header once and check it and the file's size
         agree with the index."""
         if file not in self._headers:
-            check_size(self.storage, file, self.index.files.get(file))
-            header = read_header(self.storage, file)
+            size = self.index.files.get(file)
+            check_size(self.storage, file, size)
+            chunks = self.chunks_by_file.get(file, [])
+            start = min((c.begin for _, c in chunks), default=8)
+            header = read_header(self.storage, file, size=size, data_start=start)
             for entry, c in self.chunks_by_file.get(file, []):
                 slot = header.slots.get(c.key)
                 if (
@@ -69,13 +72,26 @@ class CommittedCheckpoint:
         return self._headers[file]
 
 
-def read_header(storage: CheckpointStorage, file: str) -> Header:
+def read_header(
+    storage: CheckpointStorage, file: str, *, size: int | None = None, data_start: int = 8
+) -> Header:
+    """Read and parse a shard's header. ``data_start`` (where the index says the data
+    begins) lets one read fetch the length prefix and the header together: on an
+    object store every read is a request."""
     where = storage.location(file)
-    size = storage.size(file)
     if size is None:
-        raise CorruptCheckpointError(f"{where}: shard file is missing")
-    n = header_length(storage.read_range(file, 0, 8), size, where)
-    return parse_header(storage.read_range(file, 8, 8 + n), size, where)
+        size = storage.size(file)
+        if size is None:
+            raise CorruptCheckpointError(f"{where}: shard file is missing")
+    first = storage.read_range(file, 0, min(max(data_start, 8), size, 8 + _HEADER_GUESS))
+    n = header_length(first, size, where)
+    raw = first[8 : 8 + n]
+    if len(raw) < n:
+        raw += storage.read_range(file, len(first), 8 + n)
+    return parse_header(raw, size, where)
+
+
+_HEADER_GUESS = 16 * 1024 * 1024  # a hostile index must not make the first read huge
 
 
 def check_size(storage: CheckpointStorage, name: str, size: int | None) -> None:
