@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardpoint import CheckpointManager, ResumableLoader, TrainState
+from shardpoint import CheckpointManager, ResumableLoader, RetentionPolicy, SavePolicy, TrainState
 
 # Fixed files of the standard library: present on every Python installation.
 CORPUS_FILES = ["textwrap.py", "heapq.py", "bisect.py", "functools.py", "argparse.py"]
@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(20, args.steps))
     state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, dataloader=loader)
     manager = CheckpointManager(
-        args.run_dir / "checkpoints", every_n_steps=args.save_every, keep_last=args.keep_last
+        args.run_dir / "checkpoints",
+        policy=SavePolicy(every_n_steps=args.save_every),
+        retention=RetentionPolicy(keep_last=args.keep_last),
     )
     step = manager.restore(state) or 0
     log = print if rank == 0 else (lambda *a, **k: None)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardpoint
+from shardpoint import RemoteTier, RetentionPolicy, SavePolicy
 
 IN, HIDDEN, OUT = 64, 256, 64  # ~99k parameters; 256 rows shard unevenly on 3 ranks
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4 ranks
@@ -159,10 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     state = shardpoint.TrainState(model=model, optimizer=opt)
     manager = shardpoint.CheckpointManager(
         args.local_dir,
-        remote=args.remote,
-        every_n_steps=args.save_every,
-        keep_last=2,
-        remote_keep_last=5,
+        policy=SavePolicy(every_n_steps=args.save_every),
+        retention=RetentionPolicy(keep_last=2),
+        remote=RemoteTier(args.remote, RetentionPolicy(keep_last=5)),
         preemption_signals=(),
     )
     start = manager.restore(state) or 0

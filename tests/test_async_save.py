@@ -13,7 +13,15 @@ import torch
 from conftest import assert_states_equal, zeros_like_state
 
 import shardpoint
-from shardpoint import AsyncSaver, CheckpointError, CheckpointManager, load, verify
+from shardpoint import (
+    AsyncSaver,
+    CheckpointError,
+    CheckpointManager,
+    RetentionPolicy,
+    SavePolicy,
+    load,
+    verify,
+)
 from shardpoint import background_save as background
 from shardpoint.format.index import MARKER_NAME
 from shardpoint.staging import SLOT_BYTES
@@ -195,7 +203,11 @@ def test_a_checkpoint_is_not_visible_before_its_background_write_finished(tmp_pa
 
 def test_manager_async_saves_commit_log_and_apply_retention(tmp_path):
     manager = CheckpointManager(
-        tmp_path, every_n_steps=1, keep_last=2, async_save=True, preemption_signals=()
+        tmp_path,
+        policy=SavePolicy(every_n_steps=1),
+        retention=RetentionPolicy(keep_last=2),
+        async_save=True,
+        preemption_signals=(),
     )
     state, saved = _state(), {}
     for step in range(1, 5):
@@ -228,7 +240,7 @@ def test_manager_close_raises_a_failed_background_save(tmp_path, monkeypatch):
 
 def test_preemption_with_an_async_save_in_flight_finishes_it_then_saves(tmp_path, monkeypatch):
     gate = _gated_writes(monkeypatch)
-    manager = CheckpointManager(tmp_path, every_n_steps=10, async_save=True)
+    manager = CheckpointManager(tmp_path, policy=SavePolicy(every_n_steps=10), async_save=True)
     try:
         state = _state()
         manager.maybe_save(10, state)
@@ -343,3 +355,29 @@ def test_two_rank_async_save_commits_only_when_both_ranks_finished(tmp_path, fai
 
     run_ranks(2, _two_rank_async, str(tmp_path), fail_rank)
     assert (tmp_path / "ckpt" / MARKER_NAME).exists() == (fail_rank == -1)
+
+
+def test_a_continuous_policy_saves_whenever_the_previous_save_has_committed(tmp_path, monkeypatch):
+    gate = _gated_writes(monkeypatch)
+    manager = CheckpointManager(
+        tmp_path,
+        SavePolicy(continuous=True),
+        RetentionPolicy(keep_last=None),
+        async_save=True,
+        preemption_signals=(),
+    )
+    assert manager.maybe_save(1, _state())  # nothing in flight: save now
+    assert not manager.maybe_save(2, _state())  # step 1 is still being written
+    assert not manager.maybe_save(3, _state())
+    gate.set()
+    manager.wait()
+    assert manager.maybe_save(4, _state())  # committed: the next step saves at once
+    manager.close()
+    assert manager.steps() == [1, 4]
+
+
+def test_continuous_saves_need_async_saves_and_remote_needs_a_remote_tier(tmp_path):
+    with pytest.raises(ValueError, match="needs async_save"):
+        CheckpointManager(tmp_path, SavePolicy(continuous=True), preemption_signals=())
+    with pytest.raises(TypeError, match="RemoteTier"):
+        CheckpointManager(tmp_path, remote="s3://bucket/x", preemption_signals=())  # type: ignore[arg-type]

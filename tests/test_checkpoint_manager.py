@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardpoint
-from shardpoint import CheckpointManager, RetentionPolicy
+from shardpoint import CheckpointManager, IOOptions, RetentionPolicy, SavePolicy
 from shardpoint.commit import Commit
 from shardpoint.format.index import MARKER_NAME
 from shardpoint.storage.local import LocalDirectory
@@ -24,7 +24,9 @@ def _manager(tmp_path, **kw) -> CheckpointManager:
 
 
 def test_saves_on_the_step_interval_only(tmp_path):
-    m = _manager(tmp_path, every_n_steps=5, keep_last=None)
+    m = _manager(
+        tmp_path, policy=SavePolicy(every_n_steps=5), retention=RetentionPolicy(keep_last=None)
+    )
     saved = [s for s in range(1, 21) if m.maybe_save(s, _state(s))]
     assert saved == [5, 10, 15, 20] and m.steps() == [5, 10, 15, 20]
 
@@ -34,7 +36,7 @@ def test_saves_on_the_time_interval(tmp_path, monkeypatch):
 
     now = [1000.0]
     monkeypatch.setattr(mod.time, "monotonic", lambda: now[0])
-    m = _manager(tmp_path, every_n_seconds=60)
+    m = _manager(tmp_path, policy=SavePolicy(every_n_seconds=60))
     assert not m.maybe_save(1, _state(1))
     now[0] += 61
     assert m.maybe_save(2, _state(2))
@@ -43,14 +45,16 @@ def test_saves_on_the_time_interval(tmp_path, monkeypatch):
 
 
 def test_save_with_force_ignores_the_interval_and_a_committed_step_is_not_saved_twice(tmp_path):
-    m = _manager(tmp_path, every_n_steps=100)
+    m = _manager(tmp_path, policy=SavePolicy(every_n_steps=100))
     assert m.save(7, _state(7)) is None
     assert m.save(7, _state(7), force=True) is not None
     assert m.save(7, _state(8), force=True) is None  # already committed, never rewritten
 
 
 def test_restore_returns_the_newest_step_and_loads_it(tmp_path):
-    m = _manager(tmp_path, every_n_steps=1, keep_last=None)
+    m = _manager(
+        tmp_path, policy=SavePolicy(every_n_steps=1), retention=RetentionPolicy(keep_last=None)
+    )
     for s in (1, 2, 3):
         m.save(s, _state(s))
     dest = _state(0)
@@ -64,7 +68,9 @@ def test_restore_of_an_empty_directory_returns_none(tmp_path):
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "index", "marker-only"])
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage):
-    m = _manager(tmp_path, every_n_steps=1, keep_last=None)
+    m = _manager(
+        tmp_path, policy=SavePolicy(every_n_steps=1), retention=RetentionPolicy(keep_last=None)
+    )
     for s in (1, 2):
         m.save(s, _state(s))
     newest = m.path_for(2)
@@ -88,7 +94,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, da
 
 
 def test_fast_verification_skips_checksums(tmp_path):
-    m = _manager(tmp_path, every_n_steps=1, verify="fast")
+    m = _manager(tmp_path, policy=SavePolicy(every_n_steps=1), io=IOOptions(verify="fast"))
     m.save(1, _state(1))
     shard = next(m.path_for(1).glob("*.safetensors"))
     raw = bytearray(shard.read_bytes())
@@ -98,7 +104,9 @@ def test_fast_verification_skips_checksums(tmp_path):
 
 
 def test_retention_keeps_the_last_n(tmp_path):
-    m = _manager(tmp_path, every_n_steps=1, keep_last=2)
+    m = _manager(
+        tmp_path, policy=SavePolicy(every_n_steps=1), retention=RetentionPolicy(keep_last=2)
+    )
     for s in range(1, 6):
         m.save(s, _state(s))
     assert m.steps() == [4, 5]
@@ -112,11 +120,10 @@ def test_retention_keeps_the_last_n(tmp_path):
 def test_retention_keeps_every_nth_and_the_best(tmp_path):
     m = _manager(
         tmp_path,
-        every_n_steps=1,
-        keep_last=1,
-        keep_every_n_steps=4,
-        keep_best=2,
-        best_metric="loss",
+        policy=SavePolicy(every_n_steps=1),
+        retention=RetentionPolicy(
+            keep_last=1, keep_every_n_steps=4, keep_best=2, best_metric="loss"
+        ),
     )
     losses = {1: 5.0, 2: 1.0, 3: 4.0, 4: 3.0, 5: 0.5, 6: 6.0, 7: 7.0, 8: 9.0, 9: 8.0}
     for s, loss in losses.items():
@@ -128,7 +135,7 @@ def test_retention_keeps_every_nth_and_the_best(tmp_path):
 def test_retention_policy_never_drops_the_newest():
     from shardpoint.training.retention import KeptCheckpoint
 
-    policy = RetentionPolicy(keep_last=1, keep_best=1, mode="max")
+    policy = RetentionPolicy(keep_last=1, keep_best=1, best_metric="loss", mode="max")
     kept = policy.keep([KeptCheckpoint(1, 10.0), KeptCheckpoint(2, 1.0)])
     assert kept == {1, 2}
 
@@ -177,7 +184,12 @@ def _crash_deletion_at(monkeypatch, k: int) -> list[str]:
 
 
 def _retention_deletes_step_1(root, monkeypatch, k: int) -> tuple[CheckpointManager, list[str]]:
-    m = CheckpointManager(root, every_n_steps=1, keep_last=1, preemption_signals=())
+    m = CheckpointManager(
+        root,
+        policy=SavePolicy(every_n_steps=1),
+        retention=RetentionPolicy(keep_last=1),
+        preemption_signals=(),
+    )
     m.save(1, _state(1))
     with monkeypatch.context() as patch:
         calls = _crash_deletion_at(patch, k)
@@ -210,7 +222,12 @@ def test_a_crash_during_retention_never_leaves_zero_valid_checkpoints(tmp_path, 
                     f"looks committed but is damaged: {exc}"
                 ) from exc
             assert dest["w"].tolist() == [float(step)] * 4 and dest["step"] == step
-        restarted = CheckpointManager(root, every_n_steps=1, keep_last=1, preemption_signals=())
+        restarted = CheckpointManager(
+            root,
+            policy=SavePolicy(every_n_steps=1),
+            retention=RetentionPolicy(keep_last=1),
+            preemption_signals=(),
+        )
         assert restarted.steps() in ([1, 2], [2]), (k, restarted.steps())
         assert restarted.path_for(1).exists() == (restarted.steps() == [1, 2]), k  # no leftover
         dest = _state(0)
@@ -218,7 +235,7 @@ def test_a_crash_during_retention_never_leaves_zero_valid_checkpoints(tmp_path, 
 
 
 def test_leftovers_of_a_crashed_save_are_removed_at_start(tmp_path):
-    m = _manager(tmp_path, every_n_steps=1)
+    m = _manager(tmp_path, policy=SavePolicy(every_n_steps=1))
     m.save(1, _state(1))
     shardpoint.save(_state(2), m.path_for(2))
     (m.path_for(2) / MARKER_NAME).unlink()
@@ -235,7 +252,9 @@ def test_delete_checkpoint_keeps_foreign_files(tmp_path):
 
 def test_a_preemption_signal_forces_a_save_and_sets_should_stop(tmp_path):
     m = CheckpointManager(
-        tmp_path / "ckpts", every_n_steps=1000, preemption_signals=(signal.SIGUSR1,)
+        tmp_path / "ckpts",
+        policy=SavePolicy(every_n_steps=1000),
+        preemption_signals=(signal.SIGUSR1,),
     )
     try:
         assert not m.maybe_save(3, _state(3))
@@ -250,7 +269,7 @@ def test_a_preemption_signal_forces_a_save_and_sets_should_stop(tmp_path):
 
 
 def test_state_mismatch_is_raised_not_skipped(tmp_path):
-    m = _manager(tmp_path, every_n_steps=1)
+    m = _manager(tmp_path, policy=SavePolicy(every_n_steps=1))
     m.save(1, _state(1))
     with pytest.raises(shardpoint.StateMismatchError):
         m.restore({"w": torch.zeros(5), "step": 0})

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 import shardpoint
+from shardpoint import RetentionPolicy
 from shardpoint.cli import main
 
 
@@ -79,7 +80,9 @@ def test_console_script_runs(ckpt_dir):
 def _run_dir(root):
     """Steps 1-3 committed (step 2 then corrupted: its index no longer matches the
     marker), step 4 uncommitted (a crashed save)."""
-    manager = shardpoint.CheckpointManager(root, keep_last=10, preemption_signals=())
+    manager = shardpoint.CheckpointManager(
+        root, retention=RetentionPolicy(keep_last=10), preemption_signals=()
+    )
     model = torch.nn.Linear(4, 3)
     for step in (1, 2, 3):
         with torch.no_grad():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import shardpoint
-from shardpoint import CheckpointManager
+from shardpoint import CheckpointManager, IOOptions, RetentionPolicy, SavePolicy
 from shardpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from shardpoint.format.index import MARKER_NAME
 
@@ -49,10 +49,10 @@ DAMAGE = {"flip a byte": _flip, "truncate": _truncate, "delete": _delete}
 def two_checkpoints(tmp_path):
     manager = CheckpointManager(
         tmp_path / "ckpts",
-        every_n_steps=1,
-        keep_last=None,
+        policy=SavePolicy(every_n_steps=1),
+        retention=RetentionPolicy(keep_last=None),
+        io=IOOptions(max_shard_size=9_000),
         preemption_signals=(),
-        max_shard_size=9_000,
     )
     manager.save(1, _state(1))
     manager.save(2, _state(2))

@@ -55,7 +55,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardpoint import CheckpointError, CheckpointManager, load
+from shardpoint import CheckpointError, CheckpointManager, RetentionPolicy, SavePolicy, load
 from shardpoint.commit import Commit
 from shardpoint.format.index import MARKER_NAME
 from shardpoint.storage.local import LocalDirectory
@@ -179,7 +179,10 @@ class Ledger:
         self.newest_committed = max([self.newest_committed, *committed])
 
         manager = CheckpointManager(
-            self.root, every_n_steps=1, keep_last=KEEP_LAST, preemption_signals=()
+            self.root,
+            policy=SavePolicy(every_n_steps=1),
+            retention=RetentionPolicy(keep_last=KEEP_LAST),
+            preemption_signals=(),
         )
         visible = manager.steps()
         newest = max(visible, default=0)
@@ -299,7 +302,11 @@ def _assert_one_rank_state(state: dict, step: int) -> None:
 def _child(root: Path, kill_at: int, report: Path, async_save: bool) -> None:
     calls = CycleCalls(kill_at, report)
     manager = CheckpointManager(
-        root, every_n_steps=1, keep_last=KEEP_LAST, preemption_signals=(), async_save=async_save
+        root,
+        policy=SavePolicy(every_n_steps=1),
+        retention=RetentionPolicy(keep_last=KEEP_LAST),
+        async_save=async_save,
+        preemption_signals=(),
     )
     calls.armed = True  # after the start-up clean-up of the previous crash's leftovers
     run_log = root.parent / "run.log"
@@ -405,7 +412,11 @@ def _rank_child(
     report = Path(root).parent / f"report-rank{rank}"
     calls = CycleCalls(kill_at if rank == kill_rank else 0, report)
     manager = CheckpointManager(
-        root, every_n_steps=1, keep_last=KEEP_LAST, preemption_signals=(), async_save=async_save
+        root,
+        policy=SavePolicy(every_n_steps=1),
+        retention=RetentionPolicy(keep_last=KEEP_LAST),
+        async_save=async_save,
+        preemption_signals=(),
     )
     calls.armed = True
     run_log = Path(root).parent / "run.log"

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import shardpoint
-from shardpoint import CheckpointManager
+from shardpoint import CheckpointManager, RetentionPolicy
 from shardpoint.cli import main as cli
 from shardpoint.errors import (
     CheckpointError,
@@ -128,7 +128,9 @@ def test_a_special_file_in_place_of_a_checkpoint_file_is_a_typed_error_for_every
 @pytest.mark.parametrize("target", TARGETS)
 def test_restore_falls_back_past_a_checkpoint_with_a_special_file(tmp_path, kind, target):
     run = tmp_path / "run"
-    manager = CheckpointManager(run, keep_last=None, preemption_signals=())
+    manager = CheckpointManager(
+        run, retention=RetentionPolicy(keep_last=None), preemption_signals=()
+    )
     manager.save(1, _state(1), force=True)
     manager.save(2, _state(2), force=True)
     newest = Path(manager.path_for(2))
@@ -200,7 +202,9 @@ def test_an_os_error_at_any_read_of_a_load_is_typed_and_leaves_the_state_unchang
 
 def test_restore_falls_back_when_the_newest_checkpoint_cannot_be_read(tmp_path, monkeypatch):
     run = tmp_path / "run"
-    manager = CheckpointManager(run, keep_last=None, preemption_signals=())
+    manager = CheckpointManager(
+        run, retention=RetentionPolicy(keep_last=None), preemption_signals=()
+    )
     manager.save(1, _state(1), force=True)
     manager.save(2, _state(2), force=True)
     newest = str(manager.path_for(2))
@@ -353,7 +357,9 @@ def test_a_full_disk_for_the_event_log_fails_neither_the_save_nor_retention(tmp_
         return real_open(path, mode, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", full)
-    manager = CheckpointManager(tmp_path / "run", keep_last=1, preemption_signals=())
+    manager = CheckpointManager(
+        tmp_path / "run", retention=RetentionPolicy(keep_last=1), preemption_signals=()
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in (1, 2, 3):
@@ -363,7 +369,9 @@ def test_a_full_disk_for_the_event_log_fails_neither_the_save_nor_retention(tmp_
 
 
 def test_retention_that_cannot_delete_does_not_fail_the_save(tmp_path, monkeypatch):
-    manager = CheckpointManager(tmp_path / "run", keep_last=1, preemption_signals=())
+    manager = CheckpointManager(
+        tmp_path / "run", retention=RetentionPolicy(keep_last=1), preemption_signals=()
+    )
     manager.save(1, _state(1), force=True)
 
     def refuse(commit):
@@ -449,7 +457,9 @@ def test_a_save_into_a_directory_another_process_is_saving_to_is_refused(tmp_pat
 
 def test_retention_never_deletes_a_directory_another_process_is_saving_to(tmp_path):
     run = tmp_path / "run"
-    manager = CheckpointManager(run, keep_last=None, preemption_signals=())
+    manager = CheckpointManager(
+        run, retention=RetentionPolicy(keep_last=None), preemption_signals=()
+    )
     manager.save(1, _state(1), force=True)
     lock = LocalDirectory(manager.path_for(1)).lock()
     lock.acquire()
@@ -465,7 +475,9 @@ _RACER = """
 import sys, torch, shardpoint
 from shardpoint.errors import CheckpointExistsError, ConcurrentWriterError
 run, who = sys.argv[1], sys.argv[2]
-manager = shardpoint.CheckpointManager(run, keep_last=None, preemption_signals=())
+manager = shardpoint.CheckpointManager(
+    run, retention=shardpoint.RetentionPolicy(keep_last=None), preemption_signals=()
+)
 for step in range(1, 26):
     state = {"w": torch.full((2000,), float(step)), "who": who}
     try:

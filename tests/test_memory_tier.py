@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shardpoint
-from shardpoint import CheckpointError, CheckpointManager
+from shardpoint import CheckpointError, CheckpointManager, MemoryTierOptions, SavePolicy
 from shardpoint.storage.local import LocalDirectory
 from shardpoint.training.memory_tier import MemoryTier
 
@@ -47,9 +47,8 @@ def _node_env(rank: int, root: str) -> None:
 def _manager(root: str) -> CheckpointManager:
     return CheckpointManager(
         Path(root) / "disk",
-        every_n_steps=3,
-        memory_every_n_steps=1,
-        memory_job="job",
+        policy=SavePolicy(every_n_steps=3),
+        memory=MemoryTierOptions(every_n_steps=1, job="job"),
         preemption_signals=(),
     )
 
@@ -130,7 +129,10 @@ def _restore_from_disk(rank: int, world: int, root: str) -> None:
 def test_a_corrupt_memory_copy_is_never_used(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDPOINT_SHM_DIR", str(tmp_path / "shm"))
     manager = CheckpointManager(
-        tmp_path / "disk", every_n_steps=1, memory_every_n_steps=1, preemption_signals=()
+        tmp_path / "disk",
+        policy=SavePolicy(every_n_steps=1),
+        memory=MemoryTierOptions(every_n_steps=1),
+        preemption_signals=(),
     )
     manager.maybe_save(1, {"w": torch.ones(1000)})
     manager.save_to_memory(2, {"w": torch.full((1000,), 2.0)})
@@ -151,7 +153,10 @@ def test_a_memory_copy_tagged_with_another_rank_world_size_or_step_is_refused(
 ):
     monkeypatch.setenv("SHARDPOINT_SHM_DIR", str(tmp_path / "shm"))
     manager = CheckpointManager(
-        tmp_path / "disk", every_n_steps=1, memory_every_n_steps=1, preemption_signals=()
+        tmp_path / "disk",
+        policy=SavePolicy(every_n_steps=1),
+        memory=MemoryTierOptions(every_n_steps=1),
+        preemption_signals=(),
     )
     manager.maybe_save(1, {"w": torch.ones(1000)})  # on disk and in memory
     manager.memory.wait()

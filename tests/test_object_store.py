@@ -20,7 +20,15 @@ from conftest import assert_states_equal, zeros_like_state
 from s3_server import FaultProxy, start_moto
 
 import shardpoint
-from shardpoint import CheckpointError, CheckpointManager, CorruptCheckpointError
+from shardpoint import (
+    CheckpointError,
+    CheckpointManager,
+    CorruptCheckpointError,
+    IOOptions,
+    RemoteTier,
+    RetentionPolicy,
+    SavePolicy,
+)
 from shardpoint.format.index import MARKER_NAME
 
 CREDENTIALS = {
@@ -217,7 +225,12 @@ def test_a_load_from_an_unreachable_store_is_a_typed_error_and_changes_nothing(s
 
 def test_manager_on_an_s3_url_saves_lists_retains_and_restores(s3):
     url = f"{s3['url']}/mgr"
-    manager = CheckpointManager(url, every_n_steps=1, keep_last=2, preemption_signals=())
+    manager = CheckpointManager(
+        url,
+        policy=SavePolicy(every_n_steps=1),
+        retention=RetentionPolicy(keep_last=2),
+        preemption_signals=(),
+    )
     for step in (1, 2, 3):
         manager.save(step, _state(step))
     assert manager.steps() == [2, 3]
@@ -231,10 +244,9 @@ def test_manager_on_an_s3_url_saves_lists_retains_and_restores(s3):
 def _tiered(tmp_path, s3, **kwargs) -> CheckpointManager:
     return CheckpointManager(
         tmp_path / "local",
-        remote=f"{s3['url']}/remote",
-        every_n_steps=1,
-        keep_last=1,
-        remote_keep_last=2,
+        policy=SavePolicy(every_n_steps=1),
+        retention=RetentionPolicy(keep_last=1),
+        remote=RemoteTier(f"{s3['url']}/remote", RetentionPolicy(keep_last=2)),
         preemption_signals=(),
         **kwargs,
     )
@@ -292,7 +304,11 @@ def _upload_then_die(local: str, remote: str, env: dict, kill_after_puts: int) -
     import shardpoint.storage.object_store as store
 
     manager = CheckpointManager(
-        local, remote=remote, every_n_steps=1, preemption_signals=(), max_shard_size=4000
+        local,
+        policy=SavePolicy(every_n_steps=1),
+        remote=RemoteTier(remote),
+        io=IOOptions(max_shard_size=4000),
+        preemption_signals=(),
     )
     real_close = store._ObjectWriter.close
     count = [0]
@@ -327,7 +343,7 @@ def test_sigkill_during_an_upload_never_shows_a_partial_remote_checkpoint(tmp_pa
     remote_tier = CheckpointTier(remote, None)
     assert remote_tier.step_dirs() == [1]  # one shard file made it up...
     assert remote_tier.steps() == []  # ...but nothing is visible as a checkpoint
-    restarted = CheckpointManager(local, remote=remote, preemption_signals=())
+    restarted = CheckpointManager(local, remote=RemoteTier(remote), preemption_signals=())
     assert restarted.steps() == [1]  # the local commit happened before the upload
     restarted.wait_for_uploads()  # the interrupted upload starts again at start-up
     assert restarted.remote_steps() == [1]
@@ -343,7 +359,7 @@ def test_the_command_line_accepts_object_store_urls(s3, capsys):
     from shardpoint.cli import main
 
     url = f"{s3['url']}/cli"
-    manager = CheckpointManager(url, every_n_steps=1, preemption_signals=())
+    manager = CheckpointManager(url, policy=SavePolicy(every_n_steps=1), preemption_signals=())
     for step in (1, 2):
         manager.save(step, {"w": torch.full((3,), float(step)), "step": step})
     manager.close()

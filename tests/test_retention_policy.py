@@ -22,7 +22,7 @@ def test_keep_last_none_keeps_everything():
 
 
 def test_the_newest_checkpoint_is_kept_even_when_no_rule_selects_it():
-    policy = RetentionPolicy(keep_last=1, keep_best=1, mode="min")
+    policy = RetentionPolicy(keep_last=1, keep_best=1, best_metric="loss", mode="min")
     assert _keep(policy, [1, 2, 3], {1: 0.1, 2: 0.5, 3: 0.9}) == {1, 3}
 
 
@@ -36,23 +36,23 @@ def test_keep_every_n_steps_keeps_the_multiples_beside_the_newest():
 
 @pytest.mark.parametrize(("mode", "best"), [("min", {2, 4}), ("max", {1, 3})])
 def test_keep_best_ranks_by_the_metric_in_the_chosen_direction(mode, best):
-    policy = RetentionPolicy(keep_last=1, keep_best=2, mode=mode)
+    policy = RetentionPolicy(keep_last=1, keep_best=2, best_metric="loss", mode=mode)
     metrics = {1: 0.9, 2: 0.1, 3: 0.8, 4: 0.2, 5: 0.5}
     assert _keep(policy, [1, 2, 3, 4, 5], metrics) == best | {5}
 
 
 def test_keep_best_ignores_checkpoints_without_a_metric_or_with_nan():
-    policy = RetentionPolicy(keep_last=1, keep_best=1)
+    policy = RetentionPolicy(keep_last=1, keep_best=1, best_metric="loss")
     assert _keep(policy, [1, 2, 3, 4], {1: float("nan"), 3: 0.7}) == {3, 4}
 
 
 def test_keep_best_prefers_the_newer_of_equal_metrics():
-    policy = RetentionPolicy(keep_last=1, keep_best=1)
+    policy = RetentionPolicy(keep_last=1, keep_best=1, best_metric="loss")
     assert _keep(policy, [1, 2, 3, 9], {1: 0.5, 2: 0.5, 3: 0.5, 9: 0.9}) == {3, 9}
 
 
 def test_no_checkpoints_keep_nothing():
-    assert _keep(RetentionPolicy(keep_last=3, keep_best=1), []) == set()
+    assert _keep(RetentionPolicy(keep_last=3, keep_best=1, best_metric="loss"), []) == set()
 
 
 def test_invalid_policies_are_refused_with_what_to_do():

@@ -24,6 +24,13 @@ from .reader import CheckpointReader, TensorSlice  # noqa: E402
 from .saving import SaveInfo, save  # noqa: E402
 from .training.data import ResumableLoader, ResumableSampler  # noqa: E402
 from .training.manager import CheckpointManager  # noqa: E402
+from .training.options import (  # noqa: E402
+    AsyncOptions,
+    IOOptions,
+    MemoryTierOptions,
+    RemoteTier,
+    SavePolicy,
+)
 from .training.retention import RetentionPolicy  # noqa: E402
 from .training.train_state import TrainState  # noqa: E402
 from .tree import Stateful  # noqa: E402
@@ -37,6 +44,7 @@ def open(path: str, storage_options: dict | None = None) -> CheckpointReader:  #
 
 
 __all__ = [
+    "AsyncOptions",
     "AsyncSave",
     "AsyncSaver",
     "CheckpointError",
@@ -46,11 +54,15 @@ __all__ = [
     "ConcurrentWriterError",
     "CorruptCheckpointError",
     "FileReport",
+    "IOOptions",
     "IncompleteCheckpointError",
+    "MemoryTierOptions",
+    "RemoteTier",
     "ResumableLoader",
     "ResumableSampler",
     "RetentionPolicy",
     "SaveInfo",
+    "SavePolicy",
     "StateMismatchError",
     "Stateful",
     "TensorSlice",

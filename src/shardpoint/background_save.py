@@ -135,10 +135,8 @@ class AsyncSaver:
         error)`` runs on the background thread once the save committed or failed.
         Raises the error of an earlier save nobody has seen yet.
         """
-        if self.if_busy == "skip":
-            busy = self._in_flight is not None and not self._in_flight.done()
-            if dist.max_of([int(busy)])[0]:
-                return None
+        if self.if_busy == "skip" and dist.max_of([int(self.busy())])[0]:
+            return None
         self.wait()
         start = time.perf_counter()
         storage = open_storage(path, self.storage_options)
@@ -155,6 +153,10 @@ class AsyncSaver:
         )
         self._thread.start()
         return handle
+
+    def busy(self) -> bool:
+        """Whether a save is still in flight (staged, not yet committed or failed)."""
+        return self._in_flight is not None and not self._in_flight.done()
 
     def wait(self) -> SaveInfo | None:
         """Wait for the save in flight; raises its error if nobody has seen it yet."""

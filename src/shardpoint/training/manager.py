@@ -26,10 +26,11 @@ from ..errors import (
 )
 from ..loading import load
 from ..reader import CheckpointReader
-from ..saving import DEFAULT_MAX_SHARD_BYTES, DEFAULT_THREADS, SaveInfo, SaveOptions, run_save
+from ..saving import SaveInfo, SaveOptions, run_save
 from ..storage import CheckpointStorage, is_url, open_storage
 from ..storage.layered import LayeredCheckpoint
 from .memory_tier import MemoryTier
+from .options import AsyncOptions, IOOptions, MemoryTierOptions, RemoteTier, SavePolicy
 from .retention import KeptCheckpoint, RetentionPolicy
 from .tiers import CheckpointTier, Uploader
 
@@ -74,103 +75,92 @@ class EventLog:
 class CheckpointManager:
     """Periodic checkpoints of a training job, retention, preemption and restore.
 
-    >>> manager = CheckpointManager("runs/exp1", every_n_steps=500, keep_last=3)  # doctest: +SKIP
-    >>> start = manager.restore(state) or 0                                       # doctest: +SKIP
-    >>> for step in range(start + 1, total + 1):                                  # doctest: +SKIP
+    >>> manager = CheckpointManager(                                      # doctest: +SKIP
+    ...     "runs/exp1", SavePolicy(every_n_steps=500), RetentionPolicy(keep_last=3)
+    ... )
+    >>> start = manager.restore(state) or 0                               # doctest: +SKIP
+    >>> for step in range(start + 1, total + 1):                          # doctest: +SKIP
     ...     train_step()
     ...     manager.maybe_save(step, state)
     ...     if manager.should_stop:
     ...         raise SystemExit(manager.exit_code)
 
-    ``verify`` chooses how ``restore`` checks a candidate: ``"full"`` recomputes every
-    checksum while loading; ``"fast"`` checks marker, index, file sizes and headers.
-    ``preemption_signals`` (default SIGTERM) make the next ``maybe_save`` save at once
-    and then set ``should_stop``.
+    ``policy`` says when to save (``SavePolicy``), ``retention`` what to keep
+    (``RetentionPolicy``). ``preemption_signals`` (default SIGTERM) make the next
+    ``maybe_save`` save at once and then set ``should_stop``.
 
-    ``directory`` may be an object-store URL. With ``remote=URL`` the manager is tiered:
-    checkpoints go to the fast local ``directory`` and a background thread uploads each
-    committed one to ``remote`` (newest first; ``remote_keep_last`` is the remote
-    retention); ``restore`` prefers a valid local copy and falls back to the remote one;
-    ``close()`` waits for the upload of the newest checkpoint. ``storage_options`` go to
-    the object-store client.
+    ``directory`` may be an object-store URL, and may be node-local (the same path on
+    every node, different disks: found out at start, docs/storage.md). With
+    ``remote=RemoteTier(url)`` the manager is tiered: checkpoints go to the fast
+    ``directory`` and every rank uploads its own files of each committed one in the
+    background; ``restore`` reads each file from the local copy when it has it, else
+    from the remote; ``close()`` waits for the uploads.
 
-    ``memory_every_n_steps`` adds the in-memory tier (``MemoryTier``, docs/memory.md):
-    every that many steps each rank keeps its state in host shared memory and on
-    ``memory_replicas`` buddy ranks of other nodes; ``restore`` uses it when it holds
-    the newest step every rank can recover, without reading the disk.
+    ``memory=MemoryTierOptions(every_n_steps)`` adds the in-memory tier (``MemoryTier``,
+    docs/memory.md); ``restore`` uses it when it holds the newest step every rank can
+    recover, without reading the disk.
 
-    ``async_save=True`` returns from a save once the state is staged and writes it in
-    the background (``AsyncSaver``; ``staging_pool_bytes`` and ``if_busy`` are its
-    options). Retention and the event log entry follow the commit. A preemption save
-    first finishes the one in flight, then saves synchronously. ``close()`` waits for
-    the save in flight and raises its error.
+    ``async_save=True`` (or ``AsyncOptions(...)``) returns from a save once the state is
+    staged and writes it in the background (``AsyncSaver``). Retention and the event
+    log entry follow the commit. A preemption save first finishes the one in flight,
+    then saves synchronously. ``close()`` waits for the save in flight and raises its
+    error. ``io`` (``IOOptions``) holds shard size, threads, restore verification and
+    the object-store client's options.
     """
 
     def __init__(
         self,
         directory: str | os.PathLike[str],
+        policy: SavePolicy | None = None,
+        retention: RetentionPolicy | None = None,
         *,
-        every_n_steps: int | None = None,
-        every_n_seconds: float | None = None,
-        keep_last: int | None = 3,
-        keep_every_n_steps: int | None = None,
-        keep_best: int | None = None,
-        best_metric: str | None = None,
-        best_mode: str = "min",
-        verify: str = "full",
+        remote: RemoteTier | None = None,
+        memory: MemoryTierOptions | None = None,
+        async_save: bool | AsyncOptions = False,
+        io: IOOptions | None = None,
         preemption_signals: Iterable[int] = (signal.SIGTERM,),
-        max_shard_size: int = DEFAULT_MAX_SHARD_BYTES,
-        threads: int = DEFAULT_THREADS,
-        async_save: bool = False,
-        staging_pool_bytes: int | None = None,
-        if_busy: str = "wait",
-        remote: str | None = None,
-        remote_keep_last: int | None = 10,
-        storage_options: dict[str, Any] | None = None,
-        memory_every_n_steps: int | None = None,
-        memory_job: str | None = None,
-        memory_replicas: int = 1,
-        memory_max_bytes: int | None = None,
     ) -> None:
-        if verify not in ("full", "fast"):
-            raise ValueError("verify must be 'full' or 'fast'")
-        if keep_best and not best_metric:
-            raise ValueError("keep_best needs best_metric: the metrics key to rank checkpoints by")
+        policy = policy or SavePolicy()
+        retention = retention or RetentionPolicy()
+        io = io or IOOptions()
+        if isinstance(remote, str):
+            raise TypeError(f"remote must be RemoteTier({remote!r}), not a string")
+        asynchronous = AsyncOptions() if async_save is True else async_save or None
+        if policy.continuous and asynchronous is None:
+            raise ValueError("SavePolicy(continuous=True) needs async_save")
+        storage_options = io.storage_options or None
         self.tier = CheckpointTier(directory, storage_options)
         self.directory = self.tier.storage.root  # a Path, or the URL
         # Node-local disks (the same path on every node, different disks): every node
         # prepares, commits and retains its own copy. Found out, not assumed.
         self.per_node = _directory_per_node(self.tier.storage)
-        self.every_n_steps = every_n_steps
-        self.every_n_seconds = every_n_seconds
-        self.policy = RetentionPolicy(keep_last, keep_every_n_steps, keep_best, best_mode)
-        self.best_metric = best_metric
-        self.verify = verify
-        self.max_shard_size = max_shard_size
-        self.threads = threads
+        self.policy = policy
+        self.retention = retention
+        self.io = io
+        self.max_shard_size, self.threads, self.verify = io.max_shard_size, io.threads, io.verify
         self.events = EventLog(self.tier.storage)
-        self.remote = CheckpointTier(remote, storage_options) if remote else None
-        self.remote_policy = RetentionPolicy(remote_keep_last, keep_every_n_steps, None, "min")
-        self.memory_every_n_steps = memory_every_n_steps
+        self.remote = CheckpointTier(remote.url, storage_options) if remote else None
+        self.remote_retention = remote.retention if remote else None
+        self.memory_every_n_steps = memory.every_n_steps if memory else None
         self.memory = (
             MemoryTier(
-                memory_job or _job_name(self.directory),
-                replicas=memory_replicas,
-                max_bytes=memory_max_bytes,
+                memory.job or _job_name(self.directory),
+                replicas=memory.replicas,
+                max_bytes=memory.max_bytes,
             )
-            if memory_every_n_steps
+            if memory
             else None
         )
         self._saver = (
             AsyncSaver(
-                pool_bytes=staging_pool_bytes,
-                threads=threads,
-                max_shard_size=max_shard_size,
-                if_busy=if_busy,
+                pool_bytes=asynchronous.pool_bytes,
+                threads=io.threads,
+                max_shard_size=io.max_shard_size,
+                if_busy=asynchronous.if_busy,
                 storage_options=storage_options,
                 per_node=self.per_node,
             )
-            if async_save
+            if asynchronous is not None
             else None
         )
         self._saving_to: Any = None  # the async save in flight
@@ -184,7 +174,7 @@ class CheckpointManager:
         if self.remote is not None:
             # Every rank uploads its own files; rank 0 commits the remote copy.
             self._uploader = Uploader(
-                self.tier, self.remote, self._upload_event, self._apply_remote_retention, threads
+                self.tier, self.remote, self._upload_event, self._apply_remote_retention, io.threads
             )
             self._uploader.notify()  # an upload a crash interrupted restarts now
 
@@ -358,17 +348,24 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is due; under torch.distributed every rank gets the same answer."""
+        p = self.policy
         due_by_time = bool(
-            self.every_n_seconds and time.monotonic() - self._last_save >= self.every_n_seconds
+            p.every_n_seconds and time.monotonic() - self._last_save >= p.every_n_seconds
         )
+        busy = self._saver is not None and self._saver.busy()
         if dist.is_distributed():
-            # A signal may reach only some ranks and clocks drift: agree in one reduction.
-            signal_seen, due_by_time = dist.max_of([self._signal or 0, int(due_by_time)])
+            # A signal may reach only some ranks, clocks drift and saves finish at
+            # different times: agree in one reduction.
+            signal_seen, due_by_time, busy = dist.max_of(
+                [self._signal or 0, int(due_by_time), int(busy)]
+            )
             if signal_seen:
                 self._signal = signal_seen
         if self._signal is not None:
             return True
-        if self.every_n_steps and step % self.every_n_steps == 0:
+        if p.continuous and not busy:
+            return True
+        if p.every_n_steps and step % p.every_n_steps == 0:
             return True
         return bool(due_by_time)
 
@@ -483,14 +480,15 @@ class CheckpointManager:
         candidates = []
         for step in self.steps():
             metric = None
-            if self.best_metric:
+            if self.retention.best_metric:
                 try:
                     with CheckpointReader(self.path_for(step)) as r:
-                        metric = r.metadata["user"].get("metrics", {}).get(self.best_metric)
+                        metrics = r.metadata["user"].get("metrics", {})
+                    metric = metrics.get(self.retention.best_metric)
                 except CheckpointError:
                     pass  # unreadable: no metric, kept or dropped by the other rules
             candidates.append(KeptCheckpoint(step, metric))
-        keep = self.policy.keep(candidates)
+        keep = self.retention.keep(candidates)
         uploading = self._uploader.busy_step if self._uploader is not None else None
         for c in candidates:
             if c.step not in keep and c.step != uploading:
@@ -499,7 +497,8 @@ class CheckpointManager:
     def _apply_remote_retention(self) -> None:
         assert self.remote is not None
         steps = self.remote.steps()
-        keep = self.remote_policy.keep([KeptCheckpoint(s, None) for s in steps])
+        assert self.remote_retention is not None
+        keep = self.remote_retention.keep([KeptCheckpoint(s, None) for s in steps])
         for step in steps:
             if step not in keep:
                 self._delete(self.remote, step, "delete", tier="remote")

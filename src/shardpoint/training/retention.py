@@ -15,7 +15,8 @@ class KeptCheckpoint:
 @dataclass(frozen=True)
 class RetentionPolicy:
     """Keep the newest ``keep_last``, every step divisible by ``keep_every_n_steps``, and
-    the ``keep_best`` with the best ``metric`` (lowest when ``mode == "min"``).
+    the ``keep_best`` with the best ``best_metric`` (the key of the ``metrics`` given
+    to ``save``; lowest when ``mode == "min"``).
 
     The newest checkpoint is always kept, whatever the policy says.
     """
@@ -23,9 +24,12 @@ class RetentionPolicy:
     keep_last: int | None = 3
     keep_every_n_steps: int | None = None
     keep_best: int | None = None
+    best_metric: str | None = None
     mode: str = "min"
 
     def __post_init__(self) -> None:
+        if self.keep_best and not self.best_metric:
+            raise ValueError("keep_best needs best_metric: the metrics key to rank checkpoints by")
         if self.keep_last is not None and self.keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep all)")
         if self.mode not in ("min", "max"):

@@ -1,0 +1,76 @@
+"""The manager's options, grouped: when to save, where the other tiers are, how to write.
+
+Retention (which checkpoints to keep) is ``retention.RetentionPolicy``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..saving import DEFAULT_MAX_SHARD_BYTES, DEFAULT_THREADS
+from .retention import RetentionPolicy
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """When ``maybe_save`` saves: every ``every_n_steps`` steps and/or every
+    ``every_n_seconds``, at once after a preemption signal, and with ``continuous``
+    (async saves only) whenever the previous save has committed, so that the newest
+    checkpoint is as fresh as the disk allows (Orbax's continuous checkpointing halved
+    its median save interval this way)."""
+
+    every_n_steps: int | None = None
+    every_n_seconds: float | None = None
+    continuous: bool = False
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps is not None and self.every_n_steps < 1:
+            raise ValueError("every_n_steps must be at least 1 (or None)")
+        if self.every_n_seconds is not None and self.every_n_seconds <= 0:
+            raise ValueError("every_n_seconds must be positive (or None)")
+
+
+@dataclass(frozen=True)
+class RemoteTier:
+    """Each committed checkpoint is uploaded to ``url`` (an object store, or a shared
+    file system) in the background; ``retention`` applies there."""
+
+    url: str
+    retention: RetentionPolicy = RetentionPolicy(keep_last=10)
+
+
+@dataclass(frozen=True)
+class MemoryTierOptions:
+    """Every ``every_n_steps`` steps each rank keeps its state in host shared memory and
+    on ``replicas`` buddy ranks of other nodes (docs/memory.md). ``max_bytes`` bounds
+    what one rank keeps; ``job`` names the namespace (default: from the directory)."""
+
+    every_n_steps: int
+    replicas: int = 1
+    max_bytes: int | None = None
+    job: str | None = None
+
+
+@dataclass(frozen=True)
+class AsyncOptions:
+    """Asynchronous saves (``AsyncSaver``): ``pool_bytes`` bounds the staging memory;
+    ``if_busy`` is ``"wait"`` or ``"skip"`` while the previous save still runs."""
+
+    pool_bytes: int | None = None
+    if_busy: str = "wait"
+
+
+@dataclass(frozen=True)
+class IOOptions:
+    """How checkpoints are written and checked. ``verify="full"`` recomputes every
+    checksum when restoring, ``"fast"`` checks marker, index, sizes and headers."""
+
+    max_shard_size: int = DEFAULT_MAX_SHARD_BYTES
+    threads: int = DEFAULT_THREADS
+    verify: str = "full"
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.verify not in ("full", "fast"):
+            raise ValueError("verify must be 'full' or 'fast'")
