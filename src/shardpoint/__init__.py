@@ -5,9 +5,7 @@
 >>> shardpoint.load(state, "/tmp/ckpt")                               # doctest: +SKIP
 """
 
-__version__ = "0.1.0"
-
-from .background_save import AsyncSave, AsyncSaver, async_save  # noqa: E402
+from .background_save import AsyncSave, AsyncSaver, async_save
 from .convert import convert  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
@@ -35,6 +33,7 @@ from .training.retention import RetentionPolicy  # noqa: E402
 from .training.train_state import TrainState  # noqa: E402
 from .tree import Stateful  # noqa: E402
 from .verify import FileReport, VerifyReport, verify  # noqa: E402
+from .version import __version__
 
 
 def open(path: str, storage_options: dict | None = None) -> CheckpointReader:  # noqa: A001

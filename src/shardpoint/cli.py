@@ -20,7 +20,6 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 from rich.tree import Tree
 
-from . import __version__
 from .checkpoint_dir import open_committed
 from .commit import Commit
 from .errors import CheckpointError
@@ -28,6 +27,7 @@ from .names import is_own_file, parse_step_dir, shard_rank
 from .reader import CheckpointReader
 from .storage import join, open_storage
 from .verify import verify
+from .version import __version__
 
 EXAMPLES = {
     "ls": "shardpoint ls runs/exp1\n  shardpoint ls runs/exp1 --json",

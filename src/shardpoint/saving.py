@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from . import __version__, dist
+from . import dist
 from .commit import Commit
 from .errors import CheckpointError, UnsupportedValueError
 from .format.index import Chunk, Index, TensorEntry, block_checksums, block_rows_for
@@ -48,6 +48,7 @@ from .storage.io_types import ZERO_COPY_MIN_BYTES, Segment
 from .tensor_kinds import local_part, may_be_replicated
 from .tensor_memory import flat_bytes, host_contiguous, plain
 from .tree import flatten, merge_trees
+from .version import __version__
 
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
 DEFAULT_THREADS = 4
