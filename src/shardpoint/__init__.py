@@ -6,8 +6,8 @@
 """
 
 from .background_save import AsyncSave, AsyncSaver, async_save
-from .convert import convert  # noqa: E402
-from .errors import (  # noqa: E402
+from .convert import convert
+from .errors import (
     CheckpointError,
     CheckpointExistsError,
     ConcurrentWriterError,
@@ -16,23 +16,23 @@ from .errors import (  # noqa: E402
     StateMismatchError,
     UnsupportedValueError,
 )
-from .hf import export_hf, import_hf, load_hf  # noqa: E402
-from .loading import load  # noqa: E402
-from .reader import CheckpointReader, TensorSlice  # noqa: E402
-from .saving import SaveInfo, save  # noqa: E402
-from .training.data import ResumableLoader, ResumableSampler  # noqa: E402
-from .training.manager import CheckpointManager  # noqa: E402
-from .training.options import (  # noqa: E402
+from .hf import export_hf, import_hf, load_hf
+from .loading import load
+from .reader import CheckpointReader, TensorSlice
+from .saving import SaveInfo, save
+from .training.data import ResumableLoader, ResumableSampler
+from .training.manager import CheckpointManager
+from .training.options import (
     AsyncOptions,
     IOOptions,
     MemoryTierOptions,
     RemoteTier,
     SavePolicy,
 )
-from .training.retention import RetentionPolicy  # noqa: E402
-from .training.train_state import TrainState  # noqa: E402
-from .tree import Stateful  # noqa: E402
-from .verify import FileReport, VerifyReport, verify  # noqa: E402
+from .training.retention import RetentionPolicy
+from .training.train_state import TrainState
+from .tree import Stateful
+from .verify import FileReport, VerifyReport, verify
 from .version import __version__
 
 
