@@ -193,8 +193,10 @@ def test_a_save_that_cannot_reach_the_store_fails_without_committing(s3, monkeyp
     proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"], fault_rate=1.0)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     try:
-        with pytest.raises(CheckpointError):
+        with pytest.raises(CheckpointError, match="cannot tell whether") as raised:
             shardpoint.save(_state(1), f"{s3['url']}/down", storage_options=FEW_RETRIES)
+        # Not "a committed checkpoint already exists": an unreachable store is not one.
+        assert not isinstance(raised.value, shardpoint.CheckpointExistsError)
     finally:
         proxy.close()
     monkeypatch.undo()
@@ -221,6 +223,30 @@ def test_a_load_from_an_unreachable_store_is_a_typed_error_and_changes_nothing(s
 
 
 # ---- the manager on a URL, and tiered --------------------------------------------------------
+
+
+def test_a_tiered_manager_starts_and_restores_from_local_copies_while_the_remote_is_down(
+    tmp_path, s3, monkeypatch
+):
+    manager = _tiered(tmp_path, s3)
+    manager.save(1, _state(1))
+    manager.close()
+    proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"], fault_rate=1.0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        down = CheckpointManager(
+            tmp_path / "local",
+            remote=RemoteTier(f"{s3['url']}/remote"),
+            io=IOOptions(storage_options=FEW_RETRIES),
+            preemption_signals=(),
+        )
+        restored = zeros_like_state(_state(0))
+        with pytest.warns(UserWarning, match="remote tier not reachable"):
+            assert down.restore(restored) == 1
+        assert_states_equal(restored, _state(1))
+        down.close()
+    finally:
+        proxy.close()
 
 
 def test_manager_on_an_s3_url_saves_lists_retains_and_restores(s3):

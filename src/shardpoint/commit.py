@@ -36,6 +36,17 @@ class Commit:
         except CorruptCheckpointError:
             return True
 
+    def _marker_present(self) -> bool:
+        """Like ``is_committed``, but a marker that cannot be looked at (an unreachable
+        store, a symlink loop) is an error: a save must not guess."""
+        try:
+            return self.storage.size(MARKER_NAME) is not None
+        except CorruptCheckpointError as exc:
+            raise CheckpointError(
+                f"{self.storage.where}: cannot tell whether a checkpoint is already here "
+                f"({exc}); nothing was written"
+            ) from exc
+
     def is_leftover(self) -> bool:
         """Never committed, and holding only files a save writes (a crashed save)."""
         return not self.is_committed() and not self.foreign_files()
@@ -52,12 +63,12 @@ class Commit:
         """
         where = self.storage.where
         try:
-            if self.is_committed():  # checked before creating anything
+            if self._marker_present():  # checked before creating anything
                 raise _exists(where)
             self.storage.prepare()
             self._lock = self.storage.lock()
             self._lock.acquire()
-            if self.is_committed():  # committed by another process since the first look
+            if self._marker_present():  # committed by another process since the first look
                 raise _exists(where)
             names = self.storage.list()
             foreign = [n for n in names if not is_own_file(n)]

@@ -19,13 +19,13 @@ from typing import Any
 
 from .. import dist
 from ..background_save import AsyncSave, AsyncSaver
+from ..checkpoint_dir import open_committed
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
     StateMismatchError,
 )
 from ..loading import load
-from ..reader import CheckpointReader
 from ..saving import SaveInfo, SaveOptions, run_save
 from ..storage import CheckpointStorage, is_url, open_storage
 from ..storage.layered import LayeredCheckpoint
@@ -147,6 +147,7 @@ class CheckpointManager:
                 memory.job or _job_name(self.directory),
                 replicas=memory.replicas,
                 max_bytes=memory.max_bytes,
+                pool_bytes=memory.pool_bytes,
             )
             if memory
             else None
@@ -248,7 +249,9 @@ class CheckpointManager:
         if self._uploader is not None:
             self._uploader.flush()
         local = set(self.steps())
-        remote = set(dist.broadcast_json(self.remote_steps() if dist.rank() == 0 else None))
+        remote = set(
+            dist.broadcast_json(self._reachable_remote_steps() if dist.rank() == 0 else None)
+        )
         local_anywhere = {s for steps in dist.all_gather_json(sorted(local)) for s in steps}
         if self.memory is not None:
             in_memory = self.memory.newest_step()  # collective: ranks agree on it
@@ -277,6 +280,16 @@ class CheckpointManager:
                 if self._try_restore(state, step, tier, use_local, use_remote):
                     return step
         return None
+
+    def _reachable_remote_steps(self) -> list[int]:
+        """The remote's committed steps; none, with a warning, while it cannot be reached
+        (the local copies may still be complete)."""
+        try:
+            return self.remote_steps()
+        except CheckpointError as exc:
+            warnings.warn(f"remote tier not reachable, restoring without it: {exc}", stacklevel=3)
+            self._log("fallback", tier="remote", error=str(exc))
+            return []
 
     def _try_restore(
         self, state: Any, step: int, tier: str, use_local: bool, use_remote: bool
@@ -482,8 +495,9 @@ class CheckpointManager:
             metric = None
             if self.retention.best_metric:
                 try:
-                    with CheckpointReader(self.path_for(step)) as r:
-                        metrics = r.metadata["user"].get("metrics", {})
+                    # Index only: a node-local copy names files on other nodes' disks.
+                    ckpt = open_committed(self.tier.open(step), every_file=False)
+                    metrics = ckpt.index.metadata.get("metrics", {})
                     metric = metrics.get(self.retention.best_metric)
                 except CheckpointError:
                     pass  # unreadable: no metric, kept or dropped by the other rules

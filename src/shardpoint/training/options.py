@@ -44,11 +44,13 @@ class RemoteTier:
 class MemoryTierOptions:
     """Every ``every_n_steps`` steps each rank keeps its state in host shared memory and
     on ``replicas`` buddy ranks of other nodes (docs/memory.md). ``max_bytes`` bounds
-    what one rank keeps; ``job`` names the namespace (default: from the directory)."""
+    what one rank keeps; ``pool_bytes`` bounds its staging memory (default: the size
+    of the rank's state); ``job`` names the namespace (default: from the directory)."""
 
     every_n_steps: int
     replicas: int = 1
     max_bytes: int | None = None
+    pool_bytes: int | None = None
     job: str | None = None
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from .. import dist
 from ..checkpoint_dir import MAX_INDEX_BYTES
 from ..commit import Commit
+from ..errors import CheckpointError
 from ..format.index import Index, parse_index
 from ..names import INDEX_NAME, is_own_file, parse_step_dir, shard_rank, step_dir
 from ..storage import CheckpointStorage, join, open_storage
@@ -34,7 +35,11 @@ class CheckpointTier:
         self.root = root
         self.options = storage_options
         self.storage = open_storage(root, storage_options)
-        if not self.storage.exists():  # an existing one may be a read-only mount
+        try:
+            missing = not self.storage.exists()  # an existing one may be a read-only mount
+        except CheckpointError:  # unreachable now (a store down): training goes on
+            missing = False
+        if missing:
             self.storage.prepare()
 
     def path_for(self, step: int) -> Any:

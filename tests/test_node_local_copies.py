@@ -1,0 +1,255 @@
+"""Node-local checkpoint directories on two simulated nodes of two ranks each, with a
+remote tier on an S3-API server (moto on 127.0.0.1).
+
+Ranks are spawned processes joined by gloo; torchrun's ``LOCAL_RANK`` / ``GROUP_RANK``
+are set by hand so that ranks 0-1 are node 0 and ranks 2-3 node 1, and each node gets
+a directory of its own (``root/node0``, ``root/node1``) that the other never sees.
+Replicated state (DDP-style: the same plain tensors on every rank) must then be on
+each node's disk once, split among that node's ranks, so that a node restores from
+its own disk alone; a node that lost its disk reads from the remote tier only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import boto3
+import test_object_store
+import torch
+import torch.distributed as dist
+from distributed import run_ranks
+from test_object_store import CREDENTIALS
+
+from shardpoint import CheckpointManager, RemoteTier, SavePolicy
+from shardpoint.format.index import INDEX_NAME, MARKER_NAME
+from shardpoint.names import shard_rank
+from shardpoint.training.tiers import CheckpointTier
+
+# The moto server and a fresh bucket per test (fixtures of test_object_store).
+moto_endpoint = test_object_store.moto_endpoint
+s3 = test_object_store.s3
+
+WORLD, RANKS_PER_NODE = 4, 2
+STEP_DIR = "step-000000001"
+SHARED_BYTES = 1024 * 1024 * 4 + 1024 * 4 + 100 * 16 * 8 + 512 * 8  # _shared()'s tensors
+
+
+def _as_node(rank: int) -> int:
+    """What torchrun would set for 2 nodes x 2 ranks; returns the node."""
+    os.environ["LOCAL_RANK"] = str(rank % RANKS_PER_NODE)
+    os.environ["GROUP_RANK"] = str(rank // RANKS_PER_NODE)
+    os.environ["LOCAL_WORLD_SIZE"] = str(RANKS_PER_NODE)
+    return rank // RANKS_PER_NODE
+
+
+def _node_dir(root: str, node: int) -> Path:
+    return Path(root) / f"node{node}"
+
+
+def _shared() -> dict:
+    """Identical on every rank (a DDP model): ~4.2 MB, one tensor large enough to be
+    split among a node's ranks."""
+    g = torch.Generator().manual_seed(1234)
+    return {
+        "w": torch.randn(1024, 1024, generator=g),
+        "b": torch.randn(1024, generator=g),
+        "emb": torch.randn(100, 16, generator=g, dtype=torch.float64),
+        "count": torch.arange(512, dtype=torch.int64) * 3,
+    }
+
+
+def _own(rank: int) -> torch.Tensor:
+    """A tensor only ``rank`` holds (like its RNG streams): different on every rank."""
+    return torch.arange(3000, dtype=torch.float32) + 1000.0 * (rank + 1)
+
+
+class PerRank:
+    """Saved under a key of its rank (``rank<R>``); on restore each rank reads back only
+    its own key (``stored_keys_to_load``), as ``TrainState`` does with RNG streams."""
+
+    def __init__(self, rank: int, tensor: torch.Tensor) -> None:
+        self.key = f"rank{rank}"
+        self.tensor = tensor
+
+    def state_dict(self) -> dict:
+        return {self.key: self.tensor}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.tensor = sd[self.key]
+
+    def stored_keys_to_load(self, rel: tuple, keys: list) -> list | None:
+        return [self.key] if rel == () else None
+
+
+def _state(rank: int) -> dict:
+    return {"model": _shared(), "per_rank": PerRank(rank, _own(rank)), "step": 7}
+
+
+def _template(rank: int) -> dict:
+    return {
+        "model": {k: torch.zeros_like(v) for k, v in _shared().items()},
+        "per_rank": PerRank(rank, torch.zeros(3000)),
+        "step": 0,
+    }
+
+
+def _check_restored(rank: int, restored: dict) -> None:
+    expected = _shared()
+    assert restored["model"].keys() == expected.keys()
+    for k, v in expected.items():
+        assert torch.equal(restored["model"][k], v), f"rank {rank}: model.{k}"
+    assert torch.equal(restored["per_rank"].tensor, _own(rank)), f"rank {rank}: per_rank"
+    assert restored["step"] == 7, f"rank {rank}: step"
+
+
+def _manager(rank: int, root: str, remote: str) -> CheckpointManager:
+    manager = CheckpointManager(
+        _node_dir(root, rank // RANKS_PER_NODE),
+        policy=SavePolicy(every_n_steps=1),
+        remote=RemoteTier(remote),
+        preemption_signals=(),
+    )
+    assert manager.per_node, f"rank {rank}: node-local directories not detected"
+    return manager
+
+
+# ---- rank functions (module level: spawned processes import them) ---------------------------
+
+
+def _save_and_upload(rank: int, world: int, root: str, remote: str, env: dict) -> None:
+    os.environ.update(env)
+    _as_node(rank)
+    manager = _manager(rank, root, remote)
+    assert manager.save(1, _state(rank)) is not None
+    assert manager.wait_for_uploads(timeout=300), f"rank {rank}: upload still running"
+    manager.close()
+
+
+def _restore_without_the_remote(rank: int, world: int, root: str, remote: str, env: dict) -> None:
+    """Every node restores from its own disk: the remote copy is deleted first."""
+    os.environ.update(env)
+    node = _as_node(rank)
+    manager = _manager(rank, root, remote)
+    assert manager.wait_for_uploads(timeout=300)  # the start-up round found it uploaded
+    dist.barrier()
+    if rank == 0:
+        client = boto3.client("s3")
+        bucket, _, prefix = remote.removeprefix("s3://").partition("/")
+        listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/")
+        keys = [o["Key"] for o in listed.get("Contents", [])]
+        assert keys, "nothing was uploaded: deleting the remote copy proves nothing"
+        for key in keys:
+            client.delete_object(Bucket=bucket, Key=key)
+    dist.barrier()
+    assert manager.remote_steps() == [], f"rank {rank}: the remote copy is still there"
+    assert manager.steps() == [1], f"rank {rank} (node {node}): no local copy"
+    restored = _template(rank)
+    assert manager.restore(restored) == 1, f"rank {rank}: nothing restored"
+    _check_restored(rank, restored)
+    manager.close()
+
+
+def _restore_node1_wiped(rank: int, world: int, root: str, remote: str, env: dict) -> None:
+    os.environ.update(env)
+    node = _as_node(rank)
+    manager = _manager(rank, root, remote)
+    assert manager.steps() == ([1] if node == 0 else []), f"rank {rank}: {manager.steps()}"
+    assert manager.remote_steps() == [1]
+    restored = _template(rank)
+    assert manager.restore(restored) == 1, f"rank {rank}: nothing restored"
+    _check_restored(rank, restored)
+    manager.close()
+
+
+# ---- helpers in the test process ------------------------------------------------------------
+
+
+def _env() -> dict:
+    return {k: os.environ[k] for k in (*CREDENTIALS, "AWS_ENDPOINT_URL")}
+
+
+def _save(tmp_path: Path, s3) -> tuple[str, str]:
+    root, remote = str(tmp_path / "nodes"), f"{s3['url']}/run"
+    run_ranks(WORLD, _save_and_upload, root, remote, _env())
+    assert CheckpointTier(remote, None).steps() == [1]
+    return root, remote
+
+
+def _index(root: str, node: int) -> dict:
+    return json.loads((_node_dir(root, node) / STEP_DIR / INDEX_NAME).read_bytes())
+
+
+def _restore_events(root: str) -> list[dict]:
+    """Rank 0's event log (node 0's directory) holds the restore events."""
+    lines = (_node_dir(root, 0) / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == "restore"]
+
+
+# ---- tests ------------------------------------------------------------------------------------
+
+
+def test_each_node_holds_and_indexes_its_own_copy_and_restores_from_it_alone(tmp_path, s3):
+    root, remote = _save(tmp_path, s3)
+    shared_names = {f"model.{k}" for k in _shared()}
+    for node in (0, 1):
+        ranks = {node * RANKS_PER_NODE + i for i in range(RANKS_PER_NODE)}
+        step = _node_dir(root, node) / STEP_DIR
+        present = {p.name for p in step.iterdir()}
+        assert {INDEX_NAME, MARKER_NAME} <= present
+        shards = {n for n in present if n.endswith(".safetensors")}
+        # Only this node's ranks' files, and every one of them wrote some.
+        assert {shard_rank(n) for n in shards} == ranks, (node, sorted(shards))
+        index = _index(root, node)
+        # It names other nodes' files only for their ranks' own tensors (checked below).
+        elsewhere = set(index["files"]) - present
+        assert all(shard_rank(n) not in ranks for n in elsewhere), (node, elsewhere)
+        tensors = index["tensors"]
+        assert shared_names <= set(tensors), sorted(tensors)
+        for name in shared_names:
+            files = {c["file"] for c in tensors[name]["chunks"]}
+            assert files <= shards, (node, name, files)  # on this node's disk
+            assert {shard_rank(f) for f in files} <= ranks
+        # The 4 MiB tensor is split among the node's ranks, once per node.
+        w_writers = {shard_rank(c["file"]) for c in tensors["model.w"]["chunks"]}
+        assert w_writers == ranks, (node, w_writers)
+        # A rank's own tensor is in its own file, named by every node's index.
+        for r in range(WORLD):
+            (chunk,) = tensors[f"per_rank.rank{r}"]["chunks"]
+            assert shard_rank(chunk["file"]) == r
+        # This node's shard bytes hold a whole copy of the replicated state.
+        assert sum((step / n).stat().st_size for n in shards) >= SHARED_BYTES
+    # The two indexes name different copies of the replicated state.
+    w0 = {c["file"] for c in _index(root, 0)["tensors"]["model.w"]["chunks"]}
+    w1 = {c["file"] for c in _index(root, 1)["tensors"]["model.w"]["chunks"]}
+    assert not w0 & w1
+    # The remote holds rank 0's (node 0's) index and every file it names, committed.
+    client, bucket = s3["client"], s3["bucket"]
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"run/{STEP_DIR}/")
+    remote_names = {o["Key"].rsplit("/", 1)[1] for o in listed["Contents"]}
+    assert remote_names == {*_index(root, 0)["files"], INDEX_NAME, MARKER_NAME}
+    remote_index = client.get_object(Bucket=bucket, Key=f"run/{STEP_DIR}/{INDEX_NAME}")
+    assert remote_index["Body"].read() == (_node_dir(root, 0) / STEP_DIR / INDEX_NAME).read_bytes()
+
+    run_ranks(WORLD, _restore_without_the_remote, root, remote, _env())
+    (event,) = _restore_events(root)
+    assert event["step"] == 1
+    assert event["bytes_from_remote_by_rank"] == [0] * WORLD
+    assert event["bytes_from_remote"] == 0
+    assert CheckpointTier(remote, None).step_dirs() == []  # it stayed deleted throughout
+
+
+def test_a_node_that_lost_its_disk_reads_from_the_remote_and_only_it_does(tmp_path, s3):
+    root, remote = _save(tmp_path, s3)
+    shutil.rmtree(_node_dir(root, 1))  # node 1 replaced: an empty local disk
+    run_ranks(WORLD, _restore_node1_wiped, root, remote, _env())
+    (event,) = _restore_events(root)
+    assert event["step"] == 1
+    by_rank = event["bytes_from_remote_by_rank"]
+    assert len(by_rank) == WORLD
+    assert by_rank[:2] == [0, 0], by_rank  # node 0 read its own disk only
+    # Node 1's ranks read all they restore (the whole replicated state) from the remote.
+    assert all(n >= SHARED_BYTES for n in by_rank[2:]), by_rank
+    assert event["bytes_from_remote"] == sum(by_rank)
