@@ -1,6 +1,6 @@
 """Break each guarantee of docs/reliability.md on purpose and check its test notices.
 
-    python tools/guarantee_mutations.py            # every mutation (about 6 minutes)
+    python tools/guarantee_mutations.py            # every mutation (about 5 minutes)
     python tools/guarantee_mutations.py --only lock,undo
 
 Each mutation is a small edit of the library source that breaks one mechanism (the
@@ -247,6 +247,38 @@ MUTATIONS = [
         (
             HOSTILE + "test_two_processes_saving_the_same_steps_never_report_a_checkpoint_that_"
             "is_not_there",
+        ),
+    ),
+    Mutation(
+        "replicated state once per job",
+        "a node restores from its own disk alone",
+        "src/shardpoint/saving.py",
+        "    if options.per_node:",
+        "    if False:",
+        (
+            "tests/test_node_local_copies.py::"
+            "test_each_node_holds_and_indexes_its_own_copy_and_restores_from_it_alone",
+        ),
+    ),
+    Mutation(
+        "remote read first",
+        "a replaced node alone reads from the remote",
+        "src/shardpoint/training/manager.py",
+        "            copies.append(self.remote.open(step))",
+        "            copies.insert(0, self.remote.open(step))",
+        (
+            "tests/test_node_local_copies.py::"
+            "test_a_node_that_lost_its_disk_reads_from_the_remote_and_only_it_does",
+        ),
+    ),
+    Mutation(
+        "multipart not aborted",
+        "a failed background upload leaves nothing",
+        "src/shardpoint/storage/object_store.py",
+        "            self._file.__exit__(OSError, error, None)",
+        "            pass",
+        (
+            "tests/test_async_object_store.py::test_a_failed_part_write_surfaces_on_wait_and_commits_nothing",
         ),
     ),
     Mutation(
