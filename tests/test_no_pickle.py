@@ -323,7 +323,9 @@ with shardpoint.open(ckpt) as reader:
 assert shardpoint.verify(ckpt).ok
 shardpoint.async_save(train_state(), root / "async").wait()
 shardpoint.load(train_state(), root / "async")
-manager = shardpoint.CheckpointManager(root / "run", every_n_steps=1, preemption_signals=())
+manager = shardpoint.CheckpointManager(
+    root / "run", shardpoint.SavePolicy(every_n_steps=1), preemption_signals=()
+)
 for step in (1, 2):
     manager.save(step, train_state(step))
 manager.close()

@@ -210,8 +210,8 @@ class CheckpointManager:
         for tier in tiers:
             try:
                 leftovers = tier.leftovers()
-            except CheckpointError as exc:
-                self._cannot_delete(None, exc)
+            except CheckpointError as exc:  # unreadable, or a store that is down
+                self._cannot_delete(tier.root, exc)
                 continue
             for step in leftovers:
                 self._delete(tier, step, "cleanup")
