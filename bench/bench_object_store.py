@@ -2,6 +2,7 @@
 
 Side by side in one run, on the same bytes:
   the client libraries: obstore put/get vs s3fs pipe/cat (how shardpoint chose);
+  shardpoint load vs one whole-object GET and vs parallel 16 MiB ranged GETs;
   shardpoint save/load to s3:// vs torch.distributed.checkpoint with its fsspec
   writer/reader (s3fs underneath), thread_count 1 and 4;
   read amplification of a partial load (rows of one tensor), counted by a proxy.
@@ -69,6 +70,15 @@ def get_all(obstore, store, key: str) -> bytes:  # noqa: ANN001
     return obstore.get(store, key).bytes()
 
 
+def get_ranges_in_parallel(obstore, store, key: str, size: int, threads: int = 8) -> None:  # noqa: ANN001
+    """The plain parallel ranged GET a loader could do: 16 MiB ranges on 8 threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    spans = [(lo, min(lo + (16 << 20), size)) for lo in range(0, size, 16 << 20)]
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda s: obstore.get_range(store, key, start=s[0], end=s[1]), spans))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=256, help="state size in MB")
@@ -111,6 +121,10 @@ def main() -> None:
                 timed(obstore.put, store, key, blob, chunk_size=16 << 20, max_concurrency=4),
             )
             record("obstore get", timed(get_all, obstore, store, key))
+            record(
+                "obstore ranged GETs (16 MiB, 8 parallel)",
+                timed(get_ranges_in_parallel, obstore, store, key, size),
+            )
             record("s3fs pipe", timed(fs.pipe, f"{bucket}/s3fs/{rep}", blob))
             record("s3fs cat", timed(fs.cat, f"{bucket}/s3fs/{rep}"))
 
