@@ -214,3 +214,46 @@ def test_a_memory_save_only_stages_on_the_caller_and_keeps_the_values_at_the_cal
     tier.restore(restored, 1)
     assert torch.equal(restored["w"], torch.arange(300_000, dtype=torch.float32))
     tier.close(release=True)
+
+
+def _killed_during_the_background_write(root: str, kill_at: int) -> None:
+    """Commit step 1 to memory, then die by SIGKILL at the ``kill_at``-th write of step
+    2's background persist (the training thread has long returned)."""
+    import signal
+
+    from shardpoint.storage import direct_io
+
+    tier = MemoryTier("job", root=root)
+    tier.save(1, {"w": torch.full((10_000_000,), 1.0)})
+    tier.wait()
+    real, calls = direct_io.pwrite_all, [0]
+
+    def pwrite_all(fd, data, offset):  # noqa: ANN001, ANN202
+        calls[0] += 1
+        if calls[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(fd, data, offset)
+
+    direct_io.pwrite_all = pwrite_all
+    tier.save(2, {"w": torch.full((10_000_000,), 2.0)})
+    tier.wait()
+    os._exit(0)  # only reached if the kill point was never hit
+
+
+@pytest.mark.parametrize("kill_at", [1, 2])
+def test_sigkill_during_a_background_memory_save_never_exposes_a_partial_copy(tmp_path, kill_at):
+    import multiprocessing
+    import signal
+
+    child = multiprocessing.get_context("spawn").Process(
+        target=_killed_during_the_background_write, args=(str(tmp_path), kill_at)
+    )
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == -signal.SIGKILL, child.exitcode  # died mid-persist
+    assert any((tmp_path / "job" / "own" / "rank00000").glob("step-000000002"))  # begun
+    tier = MemoryTier("job", root=tmp_path)
+    assert tier.newest_step() == 1  # the half-written step 2 is not a copy
+    restored = {"w": torch.zeros(10_000_000)}
+    tier.restore(restored, 1)
+    assert torch.equal(restored["w"], torch.full((10_000_000,), 1.0))
