@@ -257,3 +257,55 @@ def test_sigkill_during_a_background_memory_save_never_exposes_a_partial_copy(tm
     restored = {"w": torch.zeros(10_000_000)}
     tier.restore(restored, 1)
     assert torch.equal(restored["w"], torch.full((10_000_000,), 1.0))
+
+
+def _two_nodes_tier(rank: int, root: str) -> MemoryTier:
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # one rank per "node": the buddy is the other rank
+    return MemoryTier("job", root=Path(root) / f"node{rank}")
+
+
+def _receiver_killed_mid_exchange(rank: int, world: int, root: str) -> None:
+    """Step 1 completes; during step 2's buddy exchange rank 1 dies by SIGKILL after
+    writing the first file of its replica of rank 0's copy."""
+    import signal
+
+    import shardpoint.training.memory_tier as memory_tier
+
+    tier = _two_nodes_tier(rank, root)
+    tier.save(1, {"w": torch.full((1000,), 1.0 + rank)})
+    tier.wait()
+    if rank == 1:
+        writes = [0]
+
+        def dying_open(path, mode="r", *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if "replica" in str(path) and "w" in mode:
+                writes[0] += 1
+                if writes[0] == 2:  # the first replica file is on disk, the rest not
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return open(path, mode, *args, **kwargs)
+
+        memory_tier.open = dying_open  # the module's own name: nothing else is affected
+    tier.save(2, {"w": torch.full((1000,), 2.0 + rank)})
+    tier.wait()  # rank 0 waits here for its dead buddy until the harness stops it
+
+
+def _restore_after_rank_0_was_replaced(rank: int, world: int, root: str) -> None:
+    tier = _two_nodes_tier(rank, root)
+    if rank == 0:
+        shutil.rmtree(tier.base / "own")  # a new machine: only the buddy's replicas remain
+    assert tier.newest_step() == 1  # rank 0's step 2 only exists as a half-written replica
+    state = {"w": torch.zeros(1000)}
+    tier.restore(state, 1)
+    assert torch.equal(state["w"], torch.full((1000,), 1.0 + rank))
+
+
+def test_a_buddy_killed_mid_exchange_leaves_no_replica_a_restore_would_use(tmp_path):
+    from distributed import run_ranks, run_ranks_outcomes
+
+    outcomes = run_ranks_outcomes(
+        2, _receiver_killed_mid_exchange, str(tmp_path), errors=tmp_path / "errors", timeout=30
+    )
+    assert outcomes[1].killed_by_sigkill, outcomes[1]
+    replica = tmp_path / "node1" / "job" / "replica" / "rank00000" / "step-000000002"
+    assert replica.is_dir() and any(replica.iterdir())  # killed halfway through the copy
+    run_ranks(2, _restore_after_rank_0_was_replaced, str(tmp_path))
