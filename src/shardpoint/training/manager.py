@@ -14,7 +14,8 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 from .. import dist
@@ -248,38 +249,73 @@ class CheckpointManager:
         """
         if self._uploader is not None:
             self._uploader.flush()
+        for step, load_it in self._candidates():
+            if load_it(state):
+                return step
+        return None
+
+    def _candidates(self) -> list[tuple[int, Callable[[Any], bool]]]:
+        """Every copy ``restore`` may load, in the order it tries them: (step, a
+        collective load that says whether every rank loaded it). Newest step first; for
+        one step the memory tier, then each node's disk (missing files from the remote),
+        then the remote alone. Every rank builds the same list from agreed facts."""
         local = set(self.steps())
         remote = set(
             dist.broadcast_json(self._reachable_remote_steps() if dist.rank() == 0 else None)
         )
-        local_anywhere = {s for steps in dist.all_gather_json(sorted(local)) for s in steps}
+        on_disk = {s for steps in dist.all_gather_json(sorted(local)) for s in steps}
+        out: list[tuple[int, Callable[[Any], bool]]] = []
         if self.memory is not None:
             in_memory = self.memory.newest_step()  # collective: ranks agree on it
-            if in_memory is not None and in_memory >= max(local_anywhere | remote, default=-1):
-                start = time.perf_counter()
-                try:
-                    self.memory.restore(state, in_memory)
-                    self._log(
-                        "restore",
-                        step=in_memory,
-                        tier="memory",
-                        bytes_from_buddies=self.memory.bytes_received,
-                        seconds=round(time.perf_counter() - start, 4),
+            if in_memory is not None and in_memory >= max(on_disk | remote, default=-1):
+                out.append((in_memory, partial(self._from_memory, step=in_memory)))
+        for step in sorted(on_disk | remote, reverse=True):
+            if step in on_disk:
+                here, there = step in local, step in remote
+                out.append(
+                    (
+                        step,
+                        partial(
+                            self._try_restore,
+                            step=step,
+                            tier="local",
+                            use_local=here,
+                            use_remote=there,
+                        ),
                     )
-                    return in_memory
-                except CorruptCheckpointError as exc:
-                    warnings.warn(f"{exc}; restoring from storage instead", stacklevel=2)
-                    self._log("fallback", step=in_memory, tier="memory", error=str(exc))
-        for step in sorted(local_anywhere | remote, reverse=True):
-            tries = []
-            if local_anywhere and step in local_anywhere:
-                tries.append(("local", step in local, step in remote))
+                )
             if step in remote:
-                tries.append(("remote", False, True))
-            for tier, use_local, use_remote in tries:
-                if self._try_restore(state, step, tier, use_local, use_remote):
-                    return step
-        return None
+                out.append(
+                    (
+                        step,
+                        partial(
+                            self._try_restore,
+                            step=step,
+                            tier="remote",
+                            use_local=False,
+                            use_remote=True,
+                        ),
+                    )
+                )
+        return out
+
+    def _from_memory(self, state: Any, *, step: int) -> bool:
+        assert self.memory is not None
+        start = time.perf_counter()
+        try:
+            self.memory.restore(state, step)
+        except CorruptCheckpointError as exc:  # every rank gets it: the tier agrees
+            warnings.warn(f"{exc}; restoring from storage instead", stacklevel=3)
+            self._log("fallback", step=step, tier="memory", error=str(exc))
+            return False
+        self._log(
+            "restore",
+            step=step,
+            tier="memory",
+            bytes_from_buddies=self.memory.bytes_received,
+            seconds=round(time.perf_counter() - start, 4),
+        )
+        return True
 
     def _reachable_remote_steps(self) -> list[int]:
         """The remote's committed steps; none, with a warning, while it cannot be reached
@@ -292,7 +328,7 @@ class CheckpointManager:
             return []
 
     def _try_restore(
-        self, state: Any, step: int, tier: str, use_local: bool, use_remote: bool
+        self, state: Any, *, step: int, tier: str, use_local: bool, use_remote: bool
     ) -> bool:
         """Collective: load ``step`` from this rank's copies; True if every rank did."""
         copies = [self.tier.open(step)] if use_local else []
