@@ -264,8 +264,8 @@ MUTATIONS = [
         "remote read first",
         "a replaced node alone reads from the remote",
         "src/shardpoint/training/manager.py",
-        "            copies.append(self.remote.open(step))",
-        "            copies.insert(0, self.remote.open(step))",
+        "            copies.append(remote_copy)",
+        "            copies.insert(0, remote_copy)",
         (
             "tests/test_node_local_copies.py::"
             "test_a_node_that_lost_its_disk_reads_from_the_remote_and_only_it_does",

@@ -24,7 +24,7 @@ class LayeredCheckpoint:
         self.copies = copies
         self.root = copies[0].root
         self._source: dict[str, Any] = {}
-        self.bytes_read: dict[str, int] = {}  # where -> bytes read (for tests, benchmarks)
+        self._bytes_read: dict[int, int] = {}  # id(copy) -> bytes read from it
 
     @property
     def where(self) -> str:
@@ -70,15 +70,17 @@ class LayeredCheckpoint:
         for name, segments in requests.items():
             copy = self._copy_of(name)
             by_copy.setdefault(id(copy), {})[name] = segments
-            where = copy.where
-            self.bytes_read[where] = self.bytes_read.get(where, 0) + sum(
-                s.end - s.offset for s in segments
-            )
+            read = sum(s.end - s.offset for s in segments)
+            self._bytes_read[id(copy)] = self._bytes_read.get(id(copy), 0) + read
         for copy in self.copies:
             if id(copy) in by_copy:
                 copy.read_ranges(
                     by_copy[id(copy)], threads=threads, direct=direct, on_segment=on_segment
                 )
+
+    def bytes_read_from(self, copy: Any) -> int:
+        """Tensor bytes ``read_ranges`` fetched from ``copy`` (one of ``copies``)."""
+        return self._bytes_read.get(id(copy), 0)
 
     def _read_only(self, *args: Any, **kwargs: Any) -> Any:
         raise CheckpointError(f"{self.where}: a layered view of a checkpoint is read-only")

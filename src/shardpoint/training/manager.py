@@ -138,7 +138,6 @@ class CheckpointManager:
         self.policy = policy
         self.retention = retention
         self.io = io
-        self.max_shard_size, self.threads, self.verify = io.max_shard_size, io.threads, io.verify
         self.events = EventLog(self.tier.storage)
         self.remote = CheckpointTier(remote.url, storage_options) if remote else None
         self.remote_retention = remote.retention if remote else None
@@ -332,8 +331,9 @@ class CheckpointManager:
     ) -> bool:
         """Collective: load ``step`` from this rank's copies; True if every rank did."""
         copies = [self.tier.open(step)] if use_local else []
-        if use_remote and self.remote is not None:
-            copies.append(self.remote.open(step))
+        remote_copy = self.remote.open(step) if use_remote and self.remote is not None else None
+        if remote_copy is not None:
+            copies.append(remote_copy)
         named = self.remote if tier == "remote" and self.remote is not None else self.tier
         path = str(named.path_for(step))
         start = time.perf_counter()
@@ -343,7 +343,7 @@ class CheckpointManager:
         try:
             if view is None:
                 raise CorruptCheckpointError(f"{path}: no copy of step {step} on this node")
-            load(state, view, verify=self.verify == "full", threads=self.threads)
+            load(state, view, verify=self.io.verify == "full", threads=self.io.threads)
         except StateMismatchError as exc:
             mismatch, error = exc, f"mismatch: {exc}"
         except CheckpointError as exc:  # corrupt, incomplete, unreadable
@@ -362,11 +362,8 @@ class CheckpointManager:
             )
             self._log("fallback", step=step, path=path, error=errors[0])
             return False
-        remote_root = str(self.remote.root) if self.remote is not None else None
         from_remote = dist.all_gather_json(
-            sum(n for where, n in view.bytes_read.items() if remote_root and remote_root in where)
-            if view is not None
-            else 0
+            view.bytes_read_from(remote_copy) if view is not None and remote_copy else 0
         )
         self._log(
             "restore",
@@ -470,7 +467,8 @@ class CheckpointManager:
         metadata = {"step": step, "metrics": dict(metrics or {})}
         reason = "preemption" if preempting else "interval"
         if self._saver is None or preempting:
-            options = SaveOptions(self.max_shard_size, self.threads, metadata, self.per_node)
+            io = self.io
+            options = SaveOptions(io.max_shard_size, io.threads, metadata, self.per_node)
             info = run_save(state, open_storage(path, self.tier.options), options)
             assert isinstance(info, SaveInfo)
             self._committed(step, info, metrics, reason)
