@@ -157,9 +157,10 @@ class Uploader:
 
     def _upload(self, step: int) -> None:
         start = time.perf_counter()
-        go = None
+        prepared: Any = None  # rank 0: (index bytes, index) of its local copy, or why not
         if self.rank == 0:
-            go = _try(lambda: self._clear_remote(step))
+            prepared = _try(lambda: self._prepare_remote(step))
+        go = list(prepared[1].files) if isinstance(prepared, tuple) else prepared
         go = dist.broadcast_json(go, 0, self.group)
         if not isinstance(go, list):  # committed already, or the remote cannot be reached
             if self.rank == 0 and go != "committed":
@@ -170,7 +171,7 @@ class Uploader:
         if reports is None:
             return
         errors = [f"rank {r}: {e}" for r, e in enumerate(reports) if not isinstance(e, int)]
-        error = errors[0] if errors else _try(lambda: self._commit_remote(step))
+        error = errors[0] if errors else _try(lambda: self._commit_remote(step, *prepared))
         path = str(self.remote.path_for(step))
         if error is not None:
             self.on_event("upload_failed", step=step, path=path, error=error)
@@ -190,21 +191,19 @@ class Uploader:
         )
         self.after_upload()
 
-    def _clear_remote(self, step: int) -> str | list[str]:
-        """Rank 0: the files the remote copy needs (those rank 0's local index names),
-        after removing what an interrupted upload left; or "committed"."""
+    def _prepare_remote(self, step: int) -> str | tuple[bytes, Index]:
+        """Rank 0: its local copy's index (which names the files the remote copy needs),
+        read once for the whole upload, after removing what an interrupted upload left;
+        or "committed"."""
         target = self.remote.commit_of(step)
         if target.is_committed():
             return "committed"
         target.abort([n for n in target.storage.list() if is_own_file(n)], remove_directory=False)
-        return list(self._local_index(step).files)
-
-    def _local_index(self, step: int) -> Index:
         source = self.local.open(step)
         raw = source.read_small(INDEX_NAME, MAX_INDEX_BYTES)
         if raw is None or not Commit(source).is_committed():
             raise FileNotFoundError(f"{source.where}: not committed in the local tier")
-        return parse_index(raw, source.location(INDEX_NAME))
+        return raw, parse_index(raw, source.location(INDEX_NAME))
 
     def _upload_own_files(self, step: int, wanted: set[str]) -> int:
         """This rank's files of ``step`` that the remote copy needs, from its local copy
@@ -216,15 +215,12 @@ class Uploader:
         target = self.remote.open(step)
         return copy_files(source, target, names, self.threads)
 
-    def _commit_remote(self, step: int) -> None:
+    def _commit_remote(self, step: int, raw: bytes, index: Index) -> None:
         """Rank 0: every rank's files are durable remotely; the index, then the marker."""
-        index = self.local.open(step).read_small(INDEX_NAME, MAX_INDEX_BYTES)
-        if index is None:
-            raise FileNotFoundError(f"{self.local.path_for(step)}: the index is gone")
-        missing = set(parse_index(index, INDEX_NAME).files) - set(self.remote.open(step).list())
+        missing = set(index.files) - set(self.remote.open(step).list())
         if missing:  # a rank of another world size wrote them: nobody here uploads them
             raise FileNotFoundError(f"not uploaded by any rank: {sorted(missing)[:3]}")
-        self.remote.commit_of(step).finish(index)
+        self.remote.commit_of(step).finish(raw)
 
 
 def copy_file(source: CheckpointStorage, target: CheckpointStorage, name: str, threads: int) -> int:
