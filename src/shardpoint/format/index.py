@@ -9,6 +9,7 @@ byte is read.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -323,18 +324,89 @@ def _parse_chunk(
 
 
 def _check_cover(name: str, shape: tuple[int, ...], chunks: tuple[Chunk, ...], where: str) -> None:
-    """The chunks must tile the tensor exactly: volumes add up and no two overlap."""
+    """The chunks must tile the tensor exactly: volumes add up and no two overlap.
+
+    With the volumes equal to the tensor's, "no overlap" is all that is left, checked
+    without comparing chunks pairwise (a tensor may be stored as 100,000 chunks):
+    dimensions every chunk spans whole are dropped; one split dimension is a sort; a
+    grid (DTensor shardings, row pieces of them) is matched cell by cell; two split
+    dimensions of any shape are a sweep over the first with the second's intervals
+    kept sorted. Only three or more irregularly split dimensions fall back to
+    comparing the chunks that are open at the same time in the sweep.
+    """
     if sum(math.prod(c.shape) for c in chunks) != math.prod(shape):
         raise _corrupt(where, f"the chunks of {name!r} do not cover its shape {list(shape)}")
-    if len(chunks) > 1:
-        nonempty = [c for c in chunks if math.prod(c.shape)]
-        for i, a in enumerate(nonempty):
-            for b in nonempty[i + 1 :]:
-                if all(
-                    ao < bo + bs and bo < ao + as_
-                    for ao, as_, bo, bs in zip(a.offsets, a.shape, b.offsets, b.shape)
-                ):
-                    raise _corrupt(where, f"two chunks of {name!r} overlap")
+    boxes = [(c.offsets, c.shape) for c in chunks if math.prod(c.shape)]
+    if len(boxes) < 2:
+        return
+    split = [d for d, size in enumerate(shape) if any(o[d] != 0 or s[d] != size for o, s in boxes)]
+    if not split or not _disjoint([[(o[d], o[d] + s[d]) for d in split] for o, s in boxes]):
+        raise _corrupt(where, f"two chunks of {name!r} overlap")
+
+
+Box = list[tuple[int, int]]  # [lo, hi) per dimension
+
+
+def _disjoint(boxes: list[Box]) -> bool:
+    if len(boxes[0]) == 1:
+        spans = sorted(b[0] for b in boxes)
+        return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    if _grid_cells_distinct(boxes):
+        return True
+    return _sweep_disjoint(boxes)
+
+
+def _grid_cells_distinct(boxes: list[Box]) -> bool:
+    """Every box is one cell of the grid drawn by all boxes' edges, and no cell is
+    taken twice (then no two overlap). False if the boxes do not form a grid."""
+    rank: list[dict[int, int]] = []
+    for d in range(len(boxes[0])):
+        edges = sorted({e for b in boxes for e in b[d]})
+        rank.append({e: i for i, e in enumerate(edges)})
+    cells = set()
+    for b in boxes:
+        cell = []
+        for (lo, hi), r in zip(b, rank):
+            if r[hi] != r[lo] + 1:
+                return False  # spans several cells: not a grid in this dimension
+            cell.append(r[lo])
+        cells.add(tuple(cell))
+    return len(cells) == len(boxes)
+
+
+def _sweep_disjoint(boxes: list[Box]) -> bool:
+    """Sweep along the first dimension; the boxes open at a coordinate must be disjoint
+    in the others. With two dimensions the open intervals are kept sorted, so a new
+    one is compared with its two neighbours only."""
+    events = sorted(
+        [(b[0][1], 0, i) for i, b in enumerate(boxes)]  # ends first: intervals are [lo, hi)
+        + [(b[0][0], 1, i) for i, b in enumerate(boxes)]
+    )
+    if len(boxes[0]) == 2:
+        starts: list[int] = []  # open intervals of dimension 1, sorted (they are disjoint)
+        ends: list[int] = []
+        for _, is_start, i in events:
+            lo, hi = boxes[i][1]
+            at = bisect.bisect_left(starts, lo)
+            if not is_start:
+                del starts[at], ends[at]
+                continue
+            if (at > 0 and ends[at - 1] > lo) or (at < len(starts) and starts[at] < hi):
+                return False
+            starts.insert(at, lo)
+            ends.insert(at, hi)
+        return True
+    open_: dict[int, Box] = {}
+    for _, is_start, i in events:
+        if not is_start:
+            del open_[i]
+            continue
+        rest = boxes[i][1:]
+        for other in open_.values():
+            if all(a < d and c < b for (a, b), (c, d) in zip(rest, other[1:])):
+                return False
+        open_[i] = boxes[i]
+    return True
 
 
 def marker_json(index_bytes: bytes) -> bytes:
