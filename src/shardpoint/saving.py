@@ -15,6 +15,7 @@ directory without a marker, which no reader accepts as a checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import xxhash
 
 from . import dist
 from .commit import Commit
@@ -152,8 +154,8 @@ class SavePlan:
 
     storage: CheckpointStorage
     rank: int
-    tree: Any  # the merged non-tensor tree of all ranks
-    gathered: list[dict[str, Any]]  # every rank's structure, for the index
+    tree: Any  # this rank's non-tensor tree (rank 0 merges every rank's at the commit)
+    structures: list[dict[str, Any]]  # every rank's aliases and node, for the index
     pieces: list[Piece]  # what this rank writes
     local: dict[str, torch.Tensor]  # name -> this rank's contiguous bytes of the entry
     tensors: int
@@ -222,9 +224,12 @@ def plan_save(
     """Flatten ``state``, prepare the directory (the committing rank) and agree on who
     writes what.
 
-    The one gather of structure per save; it also orders every write after the
-    preparation of the directory. ``to_host=False`` keeps device tensors where they
-    are (staging copies them into its pool itself).
+    Ranks first agree, in one small collective, that every rank's structure (tensor
+    names, shapes, dtypes, placements, node) is the one of the plan they cached at the
+    last save: then that plan is reused. Otherwise (the first save, or any change on
+    any rank) they gather the structure and plan again. The collective also orders
+    every write after the preparation of the directory. ``to_host=False`` keeps device
+    tensors where they are (staging copies them into its pool itself).
     """
     me = dist.rank()
     commits = me == 0 or (options.per_node and dist.is_node_leader())
@@ -237,56 +242,47 @@ def plan_save(
     aliases: dict[str, str] = {}
     local: dict[str, torch.Tensor] = {}
     commit_: Commit | None = None
+    own = None
     try:
         flat = flatten(state)
         tree_here = flat.tree
         holdings, aliases, local = _holdings(flat.tensors, to_host)
+        own = _structure_digest(holdings, aliases)
         if commits:
             commit_ = Commit(storage)
             commit_.begin()
     except Exception as exc:
         own_error = exc
-    sole = [h for h in holdings if not h.replicated]
-    gathered = dist.all_gather_json(
+    cache_key = (id(group), options.per_node, dist.world_size())
+    cached = _PLANS.get(cache_key)
+    agreed = dist.all_gather_json(
         {
-            "sole_bytes": sum(h.nbytes for h in sole),
-            "replicated": [h.to_json() for h in holdings if h.replicated],
-            "tree": tree_here,
-            "aliases": aliases,
-            "node": dist.node_rank(),
+            "own": own,
+            "cached": cached.job if cached is not None and cached.own == own else None,
             "error": f"rank {me}: {own_error}" if own_error else None,
         },
         group,
     )
-    failed = [g["error"] for g in gathered if g["error"]]
+    failed = [g["error"] for g in agreed if g["error"]]
     if failed and commit_ is not None:
         commit_.release()
     if own_error is not None:
         raise own_error
     if failed:
         raise CheckpointError(f"{storage.where}: another rank could not save: {failed[0]}")
-    replicated = [[Holding.from_json(h) for h in g["replicated"]] for g in gathered]
-    sole_bytes = [g["sole_bytes"] for g in gathered]
-    if options.per_node:
-        # Every node writes its own copy of replicated state, split among its ranks, so
-        # a node restores from its own disk alone; shards are written once.
-        nodes = [g["node"] for g in gathered]
-        plan = [
-            piece
-            for node in sorted(set(nodes))
-            for piece in plan_writes(
-                sole_bytes, [held if n == node else [] for held, n in zip(replicated, nodes)]
-            )
-        ]
-    else:
-        plan = plan_writes(sole_bytes, replicated)
+    reuse = cached is not None and all(g["cached"] == cached.job for g in agreed)
+    if not reuse:
+        cached = _plan_job(holdings, aliases, options.per_node, [g["own"] for g in agreed], group)
+        _PLANS[cache_key] = cached
+    assert cached is not None
+    sole = [h for h in holdings if not h.replicated]
     mine = [Piece(h.name, h.offsets, h.shape, me, h) for h in sole]
-    mine += [p for p in plan if p.writer == me]
+    mine += [p for p in cached.pieces if p.writer == me]
     return SavePlan(
         storage,
         me,
-        merge_trees([g["tree"] for g in gathered]),
-        gathered,
+        tree_here,
+        cached.structures,
         mine,
         local,
         len(local) + len(aliases),
@@ -294,6 +290,66 @@ def plan_save(
         group,
         commit_,
     )
+
+
+@dataclass(frozen=True)
+class _JobPlan:
+    """The agreed plan of a job's saves while no rank's structure changes."""
+
+    own: str  # this rank's structure digest
+    job: str  # the digest of every rank's structure digest
+    structures: list[dict[str, Any]]  # every rank's aliases and node, for the index
+    pieces: list[Piece]  # every rank's share of the replicated chunks
+
+
+# Plans of earlier saves, by (process group, per-node mode, world size). Every rank
+# keeps its own and all of them change together: whether a plan is reused is decided
+# from the collective every save begins with.
+_PLANS: dict[tuple[Any, ...], _JobPlan] = {}
+
+
+def _structure_digest(holdings: list[Holding], aliases: dict[str, str]) -> str:
+    """What the plan depends on from this rank: its holdings, its tied tensors, its node."""
+    facts = [(h.to_json(), h.replicated) for h in holdings]
+    text = json.dumps([facts, sorted(aliases.items()), dist.node_rank(), dist.rank()])
+    return xxhash.xxh3_128_hexdigest(text.encode())
+
+
+def _plan_job(
+    holdings: list[Holding],
+    aliases: dict[str, str],
+    per_node: bool,
+    digests: list[str],
+    group: Any,
+) -> _JobPlan:
+    """Gather every rank's structure and plan who writes which replicated chunk."""
+    gathered = dist.all_gather_json(
+        {
+            "sole_bytes": sum(h.nbytes for h in holdings if not h.replicated),
+            "replicated": [h.to_json() for h in holdings if h.replicated],
+            "aliases": aliases,
+            "node": dist.node_rank(),
+        },
+        group,
+    )
+    replicated = [[Holding.from_json(h) for h in g["replicated"]] for g in gathered]
+    sole_bytes = [g["sole_bytes"] for g in gathered]
+    if per_node:
+        # Every node writes its own copy of replicated state, split among its ranks, so
+        # a node restores from its own disk alone; shards are written once.
+        nodes = [g["node"] for g in gathered]
+        pieces = [
+            piece
+            for node in sorted(set(nodes))
+            for piece in plan_writes(
+                sole_bytes, [held if n == node else [] for held, n in zip(replicated, nodes)]
+            )
+        ]
+    else:
+        pieces = plan_writes(sole_bytes, replicated)
+    structures = [{"aliases": g["aliases"], "node": g["node"]} for g in gathered]
+    job = xxhash.xxh3_128_hexdigest(json.dumps(digests).encode())
+    return _JobPlan(digests[dist.rank()], job, structures, pieces)
 
 
 def commit(
@@ -315,24 +371,26 @@ def commit(
 def _commit(
     plan: SavePlan, result: WriteResult, metadata: dict[str, Any] | None, start: float
 ) -> SaveInfo:
-    gathered = dist.gather_json(result.to_json(), 0, plan.group)
+    # The non-tensor trees travel here, not with the plan: they change every save.
+    gathered = dist.gather_json({"result": result.to_json(), "tree": plan.tree}, 0, plan.group)
     outcome: str | None = None
     per_node: dict[str, str] | None = None  # node -> its index (node-local directories)
     if gathered is not None:  # rank 0
-        results = [WriteResult.from_json(r) for r in gathered]
+        results = [WriteResult.from_json(g["result"]) for g in gathered]
         errors = [r.error for r in results if r.error]
         outcome = errors[0] if errors else None
         if not errors:
             try:
+                tree = merge_trees([g["tree"] for g in gathered])
                 if plan.per_node:
-                    nodes = [g["node"] for g in plan.gathered]
+                    nodes = [s["node"] for s in plan.structures]
                     per_node = {
-                        str(n): _index(plan, results, metadata, n, nodes).to_json().decode()
+                        str(n): _index(plan, tree, results, metadata, n, nodes).to_json().decode()
                         for n in sorted(set(nodes))
                     }
                 else:
                     assert plan.commit is not None
-                    plan.commit.finish(_index(plan, results, metadata).to_json())
+                    plan.commit.finish(_index(plan, tree, results, metadata).to_json())
             except Exception as exc:  # OSError locally; the object store's errors too
                 outcome = f"rank 0 (commit): {exc}"
         written = sum(sum(r.files.values()) for r in results)
@@ -514,6 +572,7 @@ def _piece_data(p: Piece, local: torch.Tensor) -> torch.Tensor:
 
 def _index(
     plan: SavePlan,
+    tree: Any,
     results: list[WriteResult],
     metadata: dict[str, Any] | None,
     node: int | None = None,
@@ -551,12 +610,12 @@ def _index(
         )
         for name, chunks in chunks_of.items()
     }
-    aliases = {a: t for g in plan.gathered for a, t in g["aliases"].items() if a not in entries}
+    aliases = {a: t for s in plan.structures for a, t in s["aliases"].items() if a not in entries}
     return Index(
         files=files,
         entries=entries,
         aliases=aliases,
-        tree=plan.tree,
+        tree=tree,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         library_version=__version__,
         world_size=len(results),
