@@ -183,8 +183,8 @@ MUTATIONS = [
         "undo",
         "a failed load changes nothing",
         "src/shardpoint/loading.py",
-        '            if t.device.type == "cpu" and t.numel():\n                self._saved',
-        "            if False:\n                self._saved",
+        "        self._saved.append((views, torch.cat(views) if len(views) > 1 else views[0].clone()))",
+        "        pass",
         (HOSTILE + "test_a_corrupt_second_tensor_leaves_every_tensor_unchanged",),
     ),
     Mutation(
@@ -255,11 +255,22 @@ MUTATIONS = [
         "replicated state once per job",
         "a node restores from its own disk alone",
         "src/shardpoint/saving.py",
-        "    if options.per_node:",
-        "    if False:",
+        "    if per_node:\n        # Every node writes its own copy",
+        "    if False:\n        # Every node writes its own copy",
         (
             "tests/test_node_local_copies.py::"
             "test_each_node_holds_and_indexes_its_own_copy_and_restores_from_it_alone",
+        ),
+    ),
+    Mutation(
+        "stale plan reused",
+        "few collectives, never a stale plan",
+        "src/shardpoint/saving.py",
+        '    reuse = cached is not None and all(g["cached"] == cached.job for g in agreed)',
+        "    reuse = cached is not None",
+        (
+            "tests/test_save_plan_cache.py::"
+            "test_an_unchanged_structure_is_not_gathered_again_and_a_change_on_one_rank_is_caught",
         ),
     ),
     Mutation(

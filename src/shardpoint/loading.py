@@ -319,29 +319,50 @@ class Undo:
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (live tensors, one copy of their bytes back to back): small tensors are
+        # copied in batches, so 10,000 of them cost a few tasks, not 10,000.
+        self._saved: list[tuple[list[torch.Tensor], torch.Tensor]] = []
 
     def save(self, tensors: list[torch.Tensor]) -> None:
         if not self.enabled:
             return
         for t in tensors:
             if t.device.type == "cpu" and t.numel():
-                self._saved.append((t, t.clone(memory_format=torch.preserve_format)))
+                self._saved.append(([t], t.clone(memory_format=torch.preserve_format)))
+
+    def _save_flat(self, views: list[torch.Tensor]) -> None:
+        """Keep the bytes of flat uint8 ``views`` in one tensor."""
+        self._saved.append((views, torch.cat(views) if len(views) > 1 else views[0].clone()))
 
     def save_ahead(self, pool: ThreadPoolExecutor, tensors: list[torch.Tensor]) -> list[Future]:
-        """Save ``tensors`` (flat byte views) on ``pool``, in pieces of UNDO_PIECE_BYTES."""
+        """Save ``tensors`` (flat byte views) on ``pool``, in tasks of about
+        UNDO_PIECE_BYTES: large tensors in pieces, small ones together."""
         if not self.enabled:
             return []
-        return [
-            pool.submit(self.save, [t[lo : lo + UNDO_PIECE_BYTES]])
-            for t in tensors
-            for lo in range(0, t.numel(), UNDO_PIECE_BYTES)
-        ]
+        tasks: list[Future] = []
+        batch: list[torch.Tensor] = []
+        size = 0
+        for t in tensors:
+            for lo in range(0, t.numel(), UNDO_PIECE_BYTES):
+                batch.append(t[lo : lo + UNDO_PIECE_BYTES])
+                size += batch[-1].numel()
+                if size >= UNDO_PIECE_BYTES:
+                    tasks.append(pool.submit(self._save_flat, batch))
+                    batch, size = [], 0
+        if batch:
+            tasks.append(pool.submit(self._save_flat, batch))
+        return tasks
 
     def restore(self) -> None:
         with torch.no_grad():
             for live, old in reversed(self._saved):
-                live.copy_(old)
+                if len(live) == 1:  # the copy has the live tensor's shape
+                    live[0].copy_(old)
+                    continue
+                at = 0
+                for t in live:
+                    t.copy_(old[at : at + t.numel()])
+                    at += t.numel()
 
 
 def _verify_blocks(ckpt: CommittedCheckpoint, p: _Pending, segment: Segment) -> None:
