@@ -183,7 +183,8 @@ MUTATIONS = [
         "undo",
         "a failed load changes nothing",
         "src/shardpoint/loading.py",
-        "        self._saved.append((views, torch.cat(views) if len(views) > 1 else views[0].clone()))",
+        "        self._saved.append((views, torch.cat(views) if len(views) > 1 else "
+        "views[0].clone()))",
         "        pass",
         (HOSTILE + "test_a_corrupt_second_tensor_leaves_every_tensor_unchanged",),
     ),
