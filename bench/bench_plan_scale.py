@@ -1,105 +1,210 @@
-"""Scale simulation of a distributed save's metadata, without processes.
+"""Scale simulation of a distributed save's and load's metadata, without processes:
+format version 1 (every chunk listed in the index) against version 2 (a sharded tensor
+described once, each rank's chunks in its own fragment).
 
-4,096 simulated ranks, each holding 500 FSDP-sharded parameters (a row shard of each)
-and 20 replicated norm weights (the same on every rank). Measures what a save does
-with metadata on every rank (decoding the gathered payloads, planning) and on rank 0
-(building and serialising the index), and the index size per chunk.
+Two layouts, each rank holding a row shard of every parameter plus replicated norms:
 
-    python bench/bench_plan_scale.py [--ranks 4096] [--params 500] [--norms 20]
+- ``fsdp``: 16,384 ranks x 10,000 parameters on a 1-D mesh;
+- ``tp-fsdp``: 16,384 ranks x 2,000 parameters on an 8-way TP x 2,048-way FSDP mesh
+  (``Shard(1)`` over TP, ``Shard(0)`` over FSDP).
+
+Measured with the library's own code: each rank's save planning (structure digests,
+the sharded-entry list, and on a structure change the replicated planning and rank
+0's merge of the distinct lists), rank 0's index (built and serialised), and one
+rank's load planning (parse the index, find the chunks of its own region, read its
+fragment). Version 1's figures at this scale are extrapolated from a 64-rank sample
+of the same layout (a 16,384-rank v1 index would take tens of GB), and say so.
+
+    python bench/bench_plan_scale.py [--ranks 16384] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
-from shardpoint.format.index import Chunk, Index, TensorEntry
+from shardpoint import saving
+from shardpoint.format.index import (
+    Chunk,
+    Index,
+    TensorEntry,
+    fragment_json,
+    parse_fragment,
+    parse_index,
+)
+from shardpoint.format.index import checksum as digest_of
+from shardpoint.names import fragment_file, shard_file
 from shardpoint.plan import Holding, plan_writes
+from shardpoint.sharding import Mesh, Sharding
+
+ROWS_PER_RANK = 4
+COLS = 4096
+NORMS = 20
+
+
+def layout(name: str, ranks: int, params: int) -> tuple[Sharding, tuple[int, int]]:
+    """The sharding and global shape of every parameter of ``name``."""
+    if name == "fsdp":
+        return Sharding(Mesh((ranks,), tuple(range(ranks))), (0,)), (ROWS_PER_RANK * ranks, COLS)
+    tp = 8
+    fsdp = ranks // tp
+    mesh = Mesh((tp, fsdp), tuple(range(ranks)))
+    return Sharding(mesh, (1, 0)), (ROWS_PER_RANK * fsdp, COLS * tp // 8)
+
+
+def holdings_of(
+    rank: int, params: int, sharding: Sharding, shape: tuple[int, int]
+) -> list[Holding]:
+    coord = sharding.mesh.coord_of(rank)
+    assert coord is not None
+    offsets, local = sharding.box(shape, coord)
+    held = [
+        Holding(
+            f"layers.{i // 10}.p{i % 10}.weight", "BF16", shape, offsets, local, False, sharding
+        )
+        for i in range(params)
+    ]
+    held += [
+        Holding(f"layers.{i}.norm.weight", "F32", (COLS,), (0,), (COLS,), True)
+        for i in range(NORMS)
+    ]
+    return held
+
+
+def chunk_for(name: str, i: int, rank: int, offsets, shape, item: int = 2) -> Chunk:
+    nbytes = item * math.prod(shape)
+    begin = 8192 + nbytes * i
+    return Chunk(
+        shard_file(rank, 0), f"{name}@{','.join(map(str, offsets))}", offsets, shape,
+        begin, begin + nbytes, ("0123456789abcdef",), max(shape[0], 1),
+    )  # fmt: skip
+
+
+def v2_case(name: str, ranks: int, params: int) -> dict[str, float]:
+    sharding, shape = layout(name, ranks, params)
+    out: dict[str, float] = {}
+
+    # Each rank's save planning (rank 1 stands for any rank).
+    start = time.perf_counter()
+    held = holdings_of(1, params, sharding, shape)
+    own = saving._structure_digest(held, {})
+    sharded = saving._sharded_entries(held)
+    listed = saving._digest(sharded)
+    out["save_plan_steady_s"] = time.perf_counter() - start  # a reused plan: nothing more
+    start = time.perf_counter()
+    norms = [h for h in held if h.replicated]
+    sole = sum(h.nbytes for h in held if not h.replicated)
+    plan_writes([sole] * ranks, [norms] * ranks)
+    agreed_digests = [own] * ranks
+    saving._digest(agreed_digests)
+    lists = [json.loads(json.dumps(sharded))] + [None] * (ranks - 1)  # one distinct list
+    table, conflict = saving._sharded_table(lists)
+    assert conflict is None and len(table) == params
+    out["save_plan_replan_extra_s"] = time.perf_counter() - start
+    out["structure_list_digest"] = len(listed)
+
+    # Rank 0: the index from the plan and every rank's small report.
+    start = time.perf_counter()
+    files = {shard_file(r, 0): 400_000_000 for r in range(ranks)}
+    files |= {fragment_file(r): 1_000_000 for r in range(ranks)}
+    entries = {n: TensorEntry(n, dt, gs, ()) for n, (dt, gs, _) in table.items()}
+    shardings = {n: s for n, (_, _, s) in table.items()}
+    for i in range(NORMS):
+        n = f"layers.{i}.norm.weight"
+        entries[n] = TensorEntry(n, "F32", (COLS,), (chunk_for(n, i, i, (0,), (COLS,), 4),))
+    fragments = {r: (1_000_000, "0123456789abcdef") for r in range(ranks)}
+    tree = {"dict": [[n, {"tensor": n}] for n in entries]}
+    index = Index(
+        files, entries, {}, tree, "2026-01-01T00:00:00+00:00", "0", ranks,
+        shardings=shardings, fragments=fragments,
+    )  # fmt: skip
+    raw = index.to_json()
+    out["rank0_commit_s"] = time.perf_counter() - start
+    out["index_bytes"] = len(raw)
+
+    # One rank's fragment (written beside its shards) and its load planning.
+    coord = sharding.mesh.coord_of(1)
+    assert coord is not None
+    offsets, local = sharding.box(shape, coord)
+    mine = {n: chunk_for(n, i, 1, offsets, local) for i, n in enumerate(shardings)}
+    fragment = fragment_json(1, mine)
+    start = time.perf_counter()
+    parsed = parse_index(raw, "index.json")
+    parsed.fragments[1] = (len(fragment), digest_of(fragment))
+    hi = tuple(o + s for o, s in zip(offsets, local))
+    writers = set()
+    for n, s in parsed.shardings.items():
+        for c in s.overlapping(parsed.entries[n].shape, offsets, hi):
+            writers.add(s.mesh.rank_at(c))
+    chunks = parse_fragment(fragment, fragment_file(1), 1, parsed)
+    out["load_plan_s"] = time.perf_counter() - start
+    assert writers == {1} and len(chunks) == params
+    out["fragment_bytes"] = len(fragment)
+    return out
+
+
+def v1_case(name: str, ranks: int, params: int, sample: int) -> dict[str, float]:
+    """Version 1 at ``ranks`` from a ``sample``-rank index of the same layout."""
+    sharding, shape = layout(name, sample, params)
+    entries = {}
+    for i in range(params):
+        n = f"layers.{i // 10}.p{i % 10}.weight"
+        chunks = tuple(
+            chunk_for(n, i, r, *sharding.box(shape, sharding.mesh.coord_at(r)))
+            for r in range(sample)
+        )
+        entries[n] = TensorEntry(n, "BF16", shape, tuple(sorted(chunks, key=lambda c: c.offsets)))
+    tree = {"dict": [[n, {"tensor": n}] for n in entries]}
+    files = {shard_file(r, 0): 400_000_000 for r in range(sample)}
+    index = Index(files, entries, {}, tree, "2026-01-01T00:00:00+00:00", "0", sample)
+    start = time.perf_counter()
+    raw = index.to_json()
+    build = time.perf_counter() - start
+    start = time.perf_counter()
+    parse_index(raw, "index.json")
+    parse = time.perf_counter() - start
+    scale = ranks / sample
+    return {
+        "index_bytes": len(raw) * scale,
+        "rank0_commit_s": build * scale,
+        "load_plan_s": parse * scale,
+        "bytes_per_chunk": len(raw) / (sample * params),
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--ranks", type=int, default=4096)
-    p.add_argument("--params", type=int, default=500)
-    p.add_argument("--norms", type=int, default=20)
-    p.add_argument("--index-ranks", type=int, default=256, help="ranks in the index-size sample")
+    p.add_argument("--ranks", type=int, default=16384)
+    p.add_argument("--quick", action="store_true", help="1,024 ranks, to check the script runs")
     p.add_argument("--out", type=Path, default=Path("bench/results/plan_scale.json"))
     args = p.parse_args()
-    rows = 4 * args.ranks  # every parameter has 4 rows per rank
-
-    def payload(rank: int) -> dict:
-        """What one rank contributes to the structure gather, as JSON text."""
-        sole = 500 * (4 * 4096 * 2)  # its 500 bf16 row shards of 4 x 4096
-        norms = [[f"layers.{i}.norm.weight", "F32", [4096], [0], [4096]] for i in range(args.norms)]
-        return {"sole_bytes": sole, "replicated": norms, "tree": None, "aliases": {}}
-
-    texts = [json.dumps(payload(r)) for r in range(args.ranks)]
-    start = time.perf_counter()
-    gathered = [json.loads(t) for t in texts]
-    replicated = [[Holding.from_json(h) for h in g["replicated"]] for g in gathered]
-    pieces = plan_writes([g["sole_bytes"] for g in gathered], replicated)
-    mine = [
-        Holding(f"layers.{i}.w", "BF16", (rows, 4096), (4 * 7, 0), (4, 4096), False)
-        for i in range(args.params)
-    ]
-    plan_seconds = time.perf_counter() - start
-    print(
-        f"planning on each rank ({args.ranks} ranks, {args.params} sharded + {args.norms} "
-        f"replicated params): {plan_seconds:.3f} s, {len(pieces)} replicated pieces, "
-        f"{len(mine)} own shards"
-    )
-
-    # Rank 0's index: measure bytes per chunk on a sample, time the full build.
-    def index_for(n_ranks: int) -> Index:
-        entries = {}
-        for i in range(args.params):
-            name = f"model.layers.{i // 10}.mlp.param{i % 10}.weight"
-            chunks = tuple(
-                Chunk(
-                    f"rank{r:05d}-00000.safetensors",
-                    f"{name}@{4 * r},0",
-                    (4 * r, 0),
-                    (4, 4096),
-                    4096 + 32768 * i,
-                    4096 + 32768 * (i + 1),
-                    ("0123456789abcdef",),
-                    8,
-                )
-                for r in range(n_ranks)
-            )
-            entries[name] = TensorEntry(name, "BF16", (4 * n_ranks, 4096), chunks)
-        tree = {"dict": [[n, {"tensor": n}] for n in entries]}
-        files = {f"rank{r:05d}-00000.safetensors": 40_000_000 for r in range(n_ranks)}
-        return Index(files, entries, {}, tree, "2026-01-01T00:00:00+00:00", "0", n_ranks)
-
-    sample = index_for(args.index_ranks).to_json()
-    per_chunk = len(sample) / (args.index_ranks * args.params)
-    start = time.perf_counter()
-    full = index_for(args.ranks).to_json()
-    index_seconds = time.perf_counter() - start
-    print(
-        f"index: {per_chunk:.0f} bytes per chunk; {args.ranks * args.params:,} chunks -> "
-        f"{len(full) / 1e6:.0f} MB, built and serialised on rank 0 in {index_seconds:.1f} s"
-    )
+    ranks = 1024 if args.quick else args.ranks
+    cases = {"fsdp": 10_000, "tp-fsdp": 2_000}
+    results = {}
+    for name, params in cases.items():
+        v2 = v2_case(name, ranks, params)
+        v1 = v1_case(name, ranks, params, sample=64)
+        results[name] = {"params": params, "ranks": ranks, "v1": v1, "v2": v2}
+        print(f"\n{name}: {ranks:,} ranks x {params:,} sharded parameters + {NORMS} norms")
+        rows = [
+            ("global index (MB)", v1["index_bytes"] / 1e6, v2["index_bytes"] / 1e6),
+            ("rank 0 builds + writes it (s)", v1["rank0_commit_s"], v2["rank0_commit_s"]),
+            ("a rank plans its load (s)", v1["load_plan_s"], v2["load_plan_s"]),
+            ("a rank plans its save, steady (s)", None, v2["save_plan_steady_s"]),
+            ("  + on a structure change (s)", None, v2["save_plan_replan_extra_s"]),
+            ("a rank's fragment (MB)", None, v2["fragment_bytes"] / 1e6),
+        ]
+        print(f"{'':36} {'v1 (extrapolated)':>18} {'v2 (measured)':>14}")
+        for label, old, new in rows:
+            left = f"{old:18.2f}" if old is not None else " " * 18
+            print(f"{label:36} {left} {new:14.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "ranks": args.ranks,
-                "params": args.params,
-                "norms": args.norms,
-                "plan_seconds": plan_seconds,
-                "index_bytes_per_chunk": per_chunk,
-                "index_bytes": len(full),
-                "index_seconds": index_seconds,
-            },
-            indent=1,
-        )
-    )
+    args.out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

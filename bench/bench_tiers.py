@@ -45,7 +45,7 @@ from bench_object_store import start_server  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 
 import shardpoint  # noqa: E402
-from shardpoint.names import shard_rank, step_dir  # noqa: E402
+from shardpoint.names import step_dir, writer_rank  # noqa: E402
 from shardpoint.saving import DEFAULT_THREADS  # noqa: E402
 from shardpoint.storage import open_storage  # noqa: E402
 from shardpoint.training.tiers import copy_files  # noqa: E402
@@ -192,7 +192,7 @@ def _upload_ranks(
         dist.barrier()
         if rank == 0:
             source = open_storage(local / step_dir(step))
-            names = sorted(n for n in source.list() if shard_rank(n) is not None)
+            names = sorted(n for n in source.list() if writer_rank(n) is not None)
             target = open_storage(f"s3://{bucket}/baseline{world}/{rep}")
             start = time.perf_counter()
             copied = copy_files(source, target, names, DEFAULT_THREADS)
@@ -284,7 +284,7 @@ def replaced_node(bucket: str, root: Path, mb: int) -> dict[str, object]:
     own: dict[int, int] = {}
     for rank in range(4):
         step = root / f"node{rank // 2}" / step_dir(1)
-        own[rank] = sum(f.stat().st_size for f in step.iterdir() if shard_rank(f.name) == rank)
+        own[rank] = sum(f.stat().st_size for f in step.iterdir() if writer_rank(f.name) == rank)
     shutil.rmtree(root / "node1")  # node 1 replaced: an empty local disk
     run_ranks(4, _node_ranks, str(root), remote, mb, "restore")
     events = [

@@ -19,7 +19,7 @@ from conftest import rewrite_index
 import shardpoint
 from shardpoint.cli import main
 from shardpoint.errors import CorruptCheckpointError
-from shardpoint.format.index import INDEX_NAME, check_file_name
+from shardpoint.format.index import FORMAT_VERSION, INDEX_NAME, check_file_name
 
 DAMAGED = "the checkpoint is damaged, load an earlier one"
 
@@ -176,7 +176,7 @@ def test_a_number_of_the_index_out_of_its_range_is_corrupt(ckpt_dir, mutate, fie
 
 def test_a_newer_format_version_still_asks_for_an_upgrade(ckpt_dir):
     _save(ckpt_dir)
-    rewrite_index(ckpt_dir, lambda d: d.update(format_version=2))
+    rewrite_index(ckpt_dir, lambda d: d.update(format_version=FORMAT_VERSION + 1))
     _every_reader_refuses(ckpt_dir, "upgrade shardpoint")
 
 

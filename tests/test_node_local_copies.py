@@ -25,7 +25,7 @@ from test_object_store import CREDENTIALS
 
 from shardpoint import CheckpointManager, RemoteTier, SavePolicy
 from shardpoint.format.index import INDEX_NAME, MARKER_NAME
-from shardpoint.names import shard_rank
+from shardpoint.names import writer_rank
 from shardpoint.training.tiers import CheckpointTier
 
 # The moto server and a fresh bucket per test (fixtures of test_object_store).
@@ -201,24 +201,24 @@ def test_each_node_holds_and_indexes_its_own_copy_and_restores_from_it_alone(tmp
         assert {INDEX_NAME, MARKER_NAME} <= present
         shards = {n for n in present if n.endswith(".safetensors")}
         # Only this node's ranks' files, and every one of them wrote some.
-        assert {shard_rank(n) for n in shards} == ranks, (node, sorted(shards))
+        assert {writer_rank(n) for n in shards} == ranks, (node, sorted(shards))
         index = _index(root, node)
         # It names other nodes' files only for their ranks' own tensors (checked below).
         elsewhere = set(index["files"]) - present
-        assert all(shard_rank(n) not in ranks for n in elsewhere), (node, elsewhere)
+        assert all(writer_rank(n) not in ranks for n in elsewhere), (node, elsewhere)
         tensors = index["tensors"]
         assert shared_names <= set(tensors), sorted(tensors)
         for name in shared_names:
             files = {c["file"] for c in tensors[name]["chunks"]}
             assert files <= shards, (node, name, files)  # on this node's disk
-            assert {shard_rank(f) for f in files} <= ranks
+            assert {writer_rank(f) for f in files} <= ranks
         # The 4 MiB tensor is split among the node's ranks, once per node.
-        w_writers = {shard_rank(c["file"]) for c in tensors["model.w"]["chunks"]}
+        w_writers = {writer_rank(c["file"]) for c in tensors["model.w"]["chunks"]}
         assert w_writers == ranks, (node, w_writers)
         # A rank's own tensor is in its own file, named by every node's index.
         for r in range(WORLD):
             (chunk,) = tensors[f"per_rank.rank{r}"]["chunks"]
-            assert shard_rank(chunk["file"]) == r
+            assert writer_rank(chunk["file"]) == r
         # This node's shard bytes hold a whole copy of the replicated state.
         assert sum((step / n).stat().st_size for n in shards) >= SHARED_BYTES
     # The two indexes name different copies of the replicated state.

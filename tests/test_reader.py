@@ -100,7 +100,7 @@ def test_keys_metadata_and_values_come_from_the_index_alone(ckpt_dir, big, bytes
     with shardpoint.open(ckpt_dir) as r:
         assert r.keys() == [f"layer{i}" for i in range(8)] + ["scalar", "huge"]
         assert "layer1" in r and "nope" not in r
-        assert r.metadata["user"] == {"note": "hi"} and r.metadata["format_version"] == 1
+        assert r.metadata["user"] == {"note": "hi"} and r.metadata["format_version"] == 2
         values = r.state(tensors=False)
     assert values["meta"] == {"step": 11, "name": "run"}
     assert values["layer0"].shape == (256, 128)

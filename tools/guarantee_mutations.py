@@ -267,12 +267,31 @@ MUTATIONS = [
         "stale plan reused",
         "few collectives, never a stale plan",
         "src/shardpoint/saving.py",
-        '    reuse = cached is not None and all(g["cached"] == cached.job for g in agreed)',
-        "    reuse = cached is not None",
+        'own is not None and cached is not None and all(g["cached"] == cached.job for g in agreed)',
+        "own is not None and cached is not None",
         (
             "tests/test_save_plan_cache.py::"
             "test_an_unchanged_structure_is_not_gathered_again_and_a_change_on_one_rank_is_caught",
         ),
+    ),
+    Mutation(
+        "fragment not checked",
+        "every byte is checked (format version 2 fragments)",
+        "src/shardpoint/checkpoint_dir.py",
+        "            if recorded is None or raw is None or (len(raw), checksum(raw)) != recorded:",
+        "            if raw is None:",
+        (
+            "tests/test_format_v2.py::"
+            "test_a_missing_edited_or_swapped_fragment_is_a_typed_error_naming_it",
+        ),
+    ),
+    Mutation(
+        "fragment geometry not checked",
+        "hostile input gives typed errors only (format version 2 fragments)",
+        "src/shardpoint/format/index.py",
+        "(chunk.offsets, chunk.shape) != sharding.box(entry.shape, coord):",
+        "False:",
+        ("tests/test_format_v2.py::test_a_fragment_that_lies_about_a_chunk_is_refused",),
     ),
     Mutation(
         "remote read first",

@@ -18,9 +18,12 @@ from .format.index import (
     Index,
     TensorEntry,
     check_marker,
+    checksum,
+    parse_fragment,
     parse_index,
 )
 from .format.safetensors import Header, header_length, parse_header
+from .names import fragment_file
 from .storage import CheckpointStorage, open_storage
 
 # Small files are read whole; a hostile one (a sparse 64 GB index) must not exhaust
@@ -35,6 +38,7 @@ class CommittedCheckpoint:
     index: Index
     _headers: dict[str, Header] = field(default_factory=dict)
     chunks_by_file: dict[str, list[tuple[TensorEntry, Chunk]]] = field(default_factory=dict)
+    _fragments: dict[int, dict[str, Chunk]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for entry in self.index.entries.values():
@@ -44,6 +48,67 @@ class CommittedCheckpoint:
     @property
     def where(self) -> str:
         return self.storage.where
+
+    def chunks(self, entry: TensorEntry, lo: tuple[int, ...], hi: tuple[int, ...]) -> list[Chunk]:
+        """The stored chunks of ``entry`` that may overlap the box ``[lo, hi)``. For an
+        entry described by its sharding, only the writers of those chunks' fragments
+        are read (a rank loading its own shard reads one)."""
+        sharding = self.index.shardings.get(entry.name)
+        if sharding is None:
+            return list(entry.chunks)
+        out = []
+        for coord in sharding.overlapping(entry.shape, lo, hi):
+            rank = sharding.mesh.rank_at(coord)
+            chunk = self.fragment(rank).get(entry.name)
+            if chunk is None:
+                raise CorruptCheckpointError(
+                    f"{self.storage.location(fragment_file(rank))}: has no chunk of "
+                    f"{entry.name!r}, which rank {rank} holds; {_DAMAGED}"
+                )
+            out.append(chunk)
+        return out
+
+    def fragment(self, rank: int) -> dict[str, Chunk]:
+        """Rank ``rank``'s fragment, read once and checked against the index's checksum."""
+        if rank not in self._fragments:
+            name = fragment_file(rank)
+            where = self.storage.location(name)
+            recorded = self.index.fragments.get(rank)
+            raw = self.storage.read_small(name, MAX_INDEX_BYTES)
+            if recorded is None or raw is None or (len(raw), checksum(raw)) != recorded:
+                state = "missing" if raw is None else "not the one the index committed"
+                raise CorruptCheckpointError(f"{where}: the chunk fragment is {state}; {_DAMAGED}")
+            chunks = parse_fragment(raw, where, rank, self.index)
+            for entry_name, c in chunks.items():
+                self.chunks_by_file.setdefault(c.file, []).append(
+                    (self.index.entries[entry_name], c)
+                )
+                header = self._headers.get(c.file)
+                if header is not None:  # parsed before this fragment was read
+                    self._check_slot(header, self.index.entries[entry_name], c)
+            self._fragments[rank] = chunks
+        return self._fragments[rank]
+
+    def read_every_fragment(self) -> None:
+        """Fill every sharded entry's chunks from all fragments (``open``, ``verify``,
+        export: whatever reads the whole checkpoint), checking they tile each entry."""
+        found: dict[str, list[Chunk]] = {name: [] for name in self.index.shardings}
+        for rank in sorted(self.index.fragments):
+            for name, c in self.fragment(rank).items():
+                if c.end > c.begin:  # an empty shard holds no bytes
+                    found[name].append(c)
+        for name, chunks in found.items():
+            entry = self.index.entries[name]
+            whole = (0,) * len(entry.shape), entry.shape
+            expected = sum(1 for _ in self.index.shardings[name].overlapping(entry.shape, *whole))
+            if len(chunks) != expected:
+                raise CorruptCheckpointError(
+                    f"{self.where}: {len(chunks)} chunks of {name!r} in the fragments, its "
+                    f"sharding has {expected}; {_DAMAGED}"
+                )
+            self.index.entries[name] = TensorEntry(
+                name, entry.dtype, entry.shape, tuple(sorted(chunks, key=lambda c: c.offsets))
+            )
 
     def header(self, file: str) -> Header:
         """Parse ``file``'s safetensors header once and check it and the file's size
@@ -55,21 +120,22 @@ class CommittedCheckpoint:
             start = min((c.begin for _, c in chunks), default=8)
             header = read_header(self.storage, file, size=size, data_start=start)
             for entry, c in self.chunks_by_file.get(file, []):
-                slot = header.slots.get(c.key)
-                if (
-                    slot is None
-                    or slot.dtype != entry.dtype
-                    or slot.shape != c.shape
-                    or (header.data_start + slot.begin, header.data_start + slot.end)
-                    != (c.begin, c.end)
-                ):
-                    where = self.storage.location(file)
-                    raise CorruptCheckpointError(
-                        f"{where}: its header does not match {INDEX_NAME} for "
-                        f"{entry.name!r} (shard replaced or index from another checkpoint)"
-                    )
+                self._check_slot(header, entry, c)
             self._headers[file] = header
         return self._headers[file]
+
+    def _check_slot(self, header: Header, entry: TensorEntry, c: Chunk) -> None:
+        slot = header.slots.get(c.key)
+        if (
+            slot is None
+            or slot.dtype != entry.dtype
+            or slot.shape != c.shape
+            or (header.data_start + slot.begin, header.data_start + slot.end) != (c.begin, c.end)
+        ):
+            raise CorruptCheckpointError(
+                f"{self.storage.location(c.file)}: its header does not match {INDEX_NAME} for "
+                f"{entry.name!r} (shard replaced or index from another checkpoint)"
+            )
 
 
 def read_header(
@@ -92,6 +158,7 @@ def read_header(
 
 
 _HEADER_GUESS = 16 * 1024 * 1024  # a hostile index must not make the first read huge
+_DAMAGED = "the checkpoint is damaged, load an earlier one"
 
 
 def check_size(storage: CheckpointStorage, name: str, size: int | None) -> None:
@@ -132,6 +199,9 @@ def open_committed(
         )
     check_marker(marker, raw, storage.location(MARKER_NAME))
     index = parse_index(raw, storage.location(INDEX_NAME))
-    for name, size in index.files.items() if every_file else ():
-        check_size(storage, name, size)
-    return CommittedCheckpoint(storage, index)
+    ckpt = CommittedCheckpoint(storage, index)
+    if every_file:
+        for name, size in index.files.items():
+            check_size(storage, name, size)
+        ckpt.read_every_fragment()
+    return ckpt

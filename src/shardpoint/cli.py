@@ -23,7 +23,7 @@ from rich.tree import Tree
 from .checkpoint_dir import open_committed
 from .commit import Commit
 from .errors import CheckpointError
-from .names import is_own_file, parse_step_dir, shard_rank
+from .names import is_own_file, parse_step_dir, writer_rank
 from .reader import CheckpointReader
 from .storage import join, open_storage
 from .verify import verify
@@ -170,7 +170,7 @@ def _inspect(args: argparse.Namespace) -> int:
         rows = []
         for name in reader.keys():
             entry = reader.entry(name)
-            writers = (shard_rank(c.file) for c in entry.chunks)
+            writers = (writer_rank(c.file) for c in entry.chunks)
             ranks = sorted({r for r in writers if r is not None})
             rows.append(
                 {

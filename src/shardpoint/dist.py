@@ -127,6 +127,33 @@ def gather_json(value: Any, dst: int = 0, group: Any = None) -> list[Any] | None
     return None if out is None else _decoded(out, sizes)
 
 
+def gather_some_json(value: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
+    """Like ``gather_json``, for when most ranks have nothing to send (``value`` None):
+    only the others' bytes travel, point to point, instead of every rank's payload
+    padded to the longest one."""
+    if not is_distributed():
+        return [value]
+    group = _cpu_group() if group is None else group
+    payload = b"" if value is None else json.dumps(value).encode()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size())]
+    dist.all_gather(sizes, torch.tensor([len(payload)]), group=group)
+    me = rank()
+    if me != dst:
+        if payload:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            dist.send(data, dst=dst, group=group)  # groups span every rank
+        return None
+    out: list[Any] = [None] * world_size()
+    for r, n in enumerate(int(s.item()) for s in sizes):
+        if r == me:
+            out[r] = value
+        elif n:
+            buffer = torch.empty(n, dtype=torch.uint8)
+            dist.recv(buffer, src=r, group=group)
+            out[r] = json.loads(buffer.numpy().tobytes())
+    return out
+
+
 def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
     """``value`` from rank ``src`` on every rank."""
     if not is_distributed():

@@ -195,7 +195,8 @@ class ReadPlan:
         for name, regions in self.regions.items():
             entry = self.ckpt.index.entries[name]
             for region in regions:
-                for chunk in entry.chunks:
+                hi = tuple(o + n for o, n in zip(region.offsets, region.tensor.shape))
+                for chunk in self.ckpt.chunks(entry, region.offsets, hi):
                     read = self._plan_chunk(entry, chunk, region, verify)
                     if read is not None:
                         self.ckpt.header(chunk.file)

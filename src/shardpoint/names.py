@@ -2,7 +2,9 @@
 
 A manager's directory holds one ``step-NNNNNNNNN`` directory per checkpoint; a
 checkpoint directory holds ``rankRRRRR-KKKKK.safetensors`` shard files (rank R's K-th
-file), ``index.json`` and the ``COMMITTED`` marker. Anything else is not ours.
+file), ``rankRRRRR.chunks.json`` fragments (format version 2: where rank R's chunks of
+sharded entries are), ``index.json`` and the ``COMMITTED`` marker. Anything else is
+not ours.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import re
 from .format.index import INDEX_NAME, MARKER_NAME
 
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
-_SHARD_FILE = re.compile(r"^rank(\d{5})-(\d{5})\.safetensors$")
+_RANK_FILE = re.compile(r"^rank(\d{5})(-\d{5}\.safetensors|\.chunks\.json)$")
 # Every name a save writes (``.tmp``: a small file or stream not yet renamed into place).
-_OWN_FILE = re.compile(r"^(index\.json|COMMITTED|rank\d{5}-\d{5}\.safetensors)(\.tmp)?$")
+_OWN_FILE = re.compile(
+    r"^(index\.json|COMMITTED|rank\d{5}-\d{5}\.safetensors|rank\d{5}\.chunks\.json)(\.tmp)?$"
+)
 
 __all__ = ["INDEX_NAME", "MARKER_NAME"]
 
@@ -33,9 +37,17 @@ def shard_file(rank: int, k: int) -> str:
     return f"rank{rank:05d}-{k:05d}.safetensors"
 
 
-def shard_rank(name: str) -> int | None:
-    """The rank that wrote shard file ``name``, else None."""
-    m = _SHARD_FILE.match(name)
+def fragment_file(rank: int) -> str:
+    return f"rank{rank:05d}.chunks.json"
+
+
+def is_fragment(name: str) -> bool:
+    return name.endswith(".chunks.json") and writer_rank(name) is not None
+
+
+def writer_rank(name: str) -> int | None:
+    """The rank that wrote ``name`` (a shard file or a fragment), else None."""
+    m = _RANK_FILE.match(name)
     return int(m.group(1)) if m else None
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .format.safetensors import itemsize
+from .sharding import Sharding
 
 SPLIT_BYTES = 4 * 1024 * 1024  # below this, splitting a replicated chunk is not worth it
 
@@ -36,6 +37,9 @@ class Holding:
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
     replicated: bool  # other ranks may hold the same chunk
+    # Set for a chunk format version 2 describes by its sharding (written to the
+    # rank's fragment, not listed in the index).
+    sharding: Sharding | None = None
 
     @property
     def nbytes(self) -> int:

@@ -31,7 +31,15 @@ import xxhash
 from . import dist
 from .commit import Commit
 from .errors import CheckpointError, UnsupportedValueError
-from .format.index import Chunk, Index, TensorEntry, block_checksums, block_rows_for
+from .format.index import (
+    Chunk,
+    Index,
+    TensorEntry,
+    block_checksums,
+    block_rows_for,
+    checksum,
+    fragment_json,
+)
 from .format.safetensors import (
     PAGE,
     TensorSlot,
@@ -42,12 +50,13 @@ from .format.safetensors import (
     tensor_nbytes,
 )
 from .gc_pause import gc_paused
-from .names import INDEX_NAME, MARKER_NAME, shard_file
+from .names import INDEX_NAME, MARKER_NAME, fragment_file, shard_file
 from .parallel import map_batched
 from .plan import Holding, Piece, plan_writes
+from .sharding import Mesh, Sharding
 from .storage import CheckpointStorage, open_storage
 from .storage.io_types import ZERO_COPY_MIN_BYTES, Segment
-from .tensor_kinds import local_part, may_be_replicated
+from .tensor_kinds import local_part, may_be_replicated, regular_sharding
 from .tensor_memory import flat_bytes, host_contiguous, plain
 from .tree import flatten, merge_trees
 from .version import __version__
@@ -162,6 +171,12 @@ class SavePlan:
     per_node: bool
     group: Any = None  # the process group of the save's collectives (None: default)
     commit: Commit | None = None  # held by the rank that commits this directory
+    job: _JobPlan | None = None  # the agreed plan (on rank 0: the sharded entries too)
+
+    @property
+    def sharded_names(self) -> set[str]:
+        """This rank's entries described by their sharding (chunks go to its fragment)."""
+        return {p.name for p in self.pieces if p.source.sharding is not None}
 
     def release(self) -> None:
         if self.commit is not None:
@@ -202,15 +217,25 @@ class WriteResult:
     files: dict[str, int] = field(default_factory=dict)  # name -> size
     chunks: list[ChunkRecord] = field(default_factory=list)
     error: str | None = None
+    # The rank's fragment (size, checksum) and the files its sharded chunks are in.
+    fragment: tuple[int, str] | None = None
+    sharded_files: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         chunks = [c.to_json() for c in self.chunks]
-        return {"files": self.files, "chunks": chunks, "error": self.error}
+        return {
+            "files": self.files,
+            "chunks": chunks,
+            "error": self.error,
+            "fragment": self.fragment,
+            "sharded_files": self.sharded_files,
+        }
 
     @staticmethod
     def from_json(doc: dict[str, Any]) -> WriteResult:
         chunks = [ChunkRecord.from_json(c) for c in doc["chunks"]]
-        return WriteResult(doc["files"], chunks, doc["error"])
+        fragment = tuple(doc["fragment"]) if doc["fragment"] is not None else None
+        return WriteResult(doc["files"], chunks, doc["error"], fragment, doc["sharded_files"])
 
 
 def plan_save(
@@ -243,11 +268,14 @@ def plan_save(
     local: dict[str, torch.Tensor] = {}
     commit_: Commit | None = None
     own = None
+    sharded: list[Any] = []
     try:
         flat = flatten(state)
         tree_here = flat.tree
         holdings, aliases, local = _holdings(flat.tensors, to_host)
-        own = _structure_digest(holdings, aliases)
+        # One process has nothing to agree on: its plan costs less than a digest.
+        own = _structure_digest(holdings, aliases) if dist.is_distributed() else None
+        sharded = _sharded_entries(holdings)
         if commits:
             commit_ = Commit(storage)
             commit_.begin()
@@ -259,6 +287,8 @@ def plan_save(
         {
             "own": own,
             "cached": cached.job if cached is not None and cached.own == own else None,
+            # Ranks with the same sharded entries (every rank under FSDP) send them once.
+            "sharded": _digest(sharded) if sharded else None,
             "error": f"rank {me}: {own_error}" if own_error else None,
         },
         group,
@@ -270,9 +300,20 @@ def plan_save(
         raise own_error
     if failed:
         raise CheckpointError(f"{storage.where}: another rank could not save: {failed[0]}")
-    reuse = cached is not None and all(g["cached"] == cached.job for g in agreed)
+    reuse = (
+        own is not None and cached is not None and all(g["cached"] == cached.job for g in agreed)
+    )
     if not reuse:
-        cached = _plan_job(holdings, aliases, options.per_node, [g["own"] for g in agreed], group)
+        lists = [g["sharded"] for g in agreed]
+        first = lists[me] is not None and lists.index(lists[me]) == me
+        cached = _plan_job(
+            holdings,
+            aliases,
+            options.per_node,
+            [g["own"] for g in agreed],
+            sharded if first else None,
+            group,
+        )
         _PLANS[cache_key] = cached
     assert cached is not None
     sole = [h for h in holdings if not h.replicated]
@@ -289,6 +330,7 @@ def plan_save(
         options.per_node,
         group,
         commit_,
+        cached,
     )
 
 
@@ -296,10 +338,14 @@ def plan_save(
 class _JobPlan:
     """The agreed plan of a job's saves while no rank's structure changes."""
 
-    own: str  # this rank's structure digest
+    own: str | None  # this rank's structure digest (None in one process: no reuse)
     job: str  # the digest of every rank's structure digest
     structures: list[dict[str, Any]]  # every rank's aliases and node, for the index
     pieces: list[Piece]  # every rank's share of the replicated chunks
+    # On rank 0: every entry described by its sharding -> (dtype, global shape,
+    # sharding), or why the ranks' descriptions disagree.
+    sharded: dict[str, tuple[str, tuple[int, ...], Sharding]] | None = None
+    conflict: str | None = None
 
 
 # Plans of earlier saves, by (process group, per-node mode, world size). Every rank
@@ -308,21 +354,42 @@ class _JobPlan:
 _PLANS: dict[tuple[Any, ...], _JobPlan] = {}
 
 
+def _digest(value: Any) -> str:
+    return xxhash.xxh3_128_hexdigest(json.dumps(value).encode())
+
+
 def _structure_digest(holdings: list[Holding], aliases: dict[str, str]) -> str:
-    """What the plan depends on from this rank: its holdings, its tied tensors, its node."""
-    facts = [(h.to_json(), h.replicated) for h in holdings]
-    text = json.dumps([facts, sorted(aliases.items()), dist.node_rank(), dist.rank()])
-    return xxhash.xxh3_128_hexdigest(text.encode())
+    """What the plan depends on from this rank: its holdings (with their shardings),
+    its tied tensors, its node."""
+    facts = [
+        (h.to_json(), h.replicated, h.sharding and (h.sharding.mesh.digest, h.sharding.dims))
+        for h in holdings
+    ]
+    return _digest([facts, sorted(aliases.items()), dist.node_rank(), dist.rank()])
+
+
+def _sharded_entries(holdings: list[Holding]) -> list[Any]:
+    """This rank's entries described by a sharding, as the index needs them: the same
+    list on every rank that holds the same entries (no offsets)."""
+    meshes: dict[Mesh, int] = {}
+    entries = []
+    for h in holdings:
+        if h.sharding is not None:
+            mesh = meshes.setdefault(h.sharding.mesh, len(meshes))
+            entries.append([h.name, h.dtype, h.global_shape, mesh, h.sharding.dims])
+    return [[[m.shape, m.ranks] for m in meshes], entries] if entries else []
 
 
 def _plan_job(
     holdings: list[Holding],
     aliases: dict[str, str],
     per_node: bool,
-    digests: list[str],
+    digests: list[str | None],
+    sharded: list[Any] | None,
     group: Any,
 ) -> _JobPlan:
-    """Gather every rank's structure and plan who writes which replicated chunk."""
+    """Gather every rank's structure and plan who writes which replicated chunk; rank 0
+    also gathers each distinct list of sharded entries once, for the index."""
     gathered = dist.all_gather_json(
         {
             "sole_bytes": sum(h.nbytes for h in holdings if not h.replicated),
@@ -348,8 +415,26 @@ def _plan_job(
     else:
         pieces = plan_writes(sole_bytes, replicated)
     structures = [{"aliases": g["aliases"], "node": g["node"]} for g in gathered]
-    job = xxhash.xxh3_128_hexdigest(json.dumps(digests).encode())
-    return _JobPlan(digests[dist.rank()], job, structures, pieces)
+    lists = dist.gather_some_json(sharded, 0, group)
+    table, conflict = _sharded_table(lists) if lists is not None else (None, None)
+    return _JobPlan(digests[dist.rank()], _digest(digests), structures, pieces, table, conflict)
+
+
+def _sharded_table(
+    lists: list[Any],
+) -> tuple[dict[str, tuple[str, tuple[int, ...], Sharding]], str | None]:
+    """Every sharded entry from the ranks' distinct lists; an entry two ranks describe
+    differently is a conflict (reported by the commit: the index could not be right)."""
+    table: dict[str, tuple[str, tuple[int, ...], Sharding]] = {}
+    for doc in lists:
+        if not doc:
+            continue
+        meshes = [Mesh(tuple(shape), tuple(ranks)) for shape, ranks in doc[0]]
+        for name, dtype, global_shape, mesh, dims in doc[1]:
+            described = (dtype, tuple(global_shape), Sharding(meshes[mesh], tuple(dims)))
+            if table.setdefault(name, described) != described:
+                return table, f"{name!r} is sharded differently on different ranks"
+    return table, None
 
 
 def commit(
@@ -371,6 +456,8 @@ def commit(
 def _commit(
     plan: SavePlan, result: WriteResult, metadata: dict[str, Any] | None, start: float
 ) -> SaveInfo:
+    if result.error is None:
+        result = _write_fragment(plan, result)
     # The non-tensor trees travel here, not with the plan: they change every save.
     gathered = dist.gather_json({"result": result.to_json(), "tree": plan.tree}, 0, plan.group)
     outcome: str | None = None
@@ -419,6 +506,28 @@ def _commit(
         bytes_written=written,
         seconds=seconds,
         blocked_seconds=seconds,  # a synchronous save blocks for all of it
+    )
+
+
+def _write_fragment(plan: SavePlan, result: WriteResult) -> WriteResult:
+    """Move this rank's chunks of sharded entries out of what goes to rank 0 into its
+    fragment file (format version 2): rank 0's index then describes those entries once,
+    whatever the number of ranks."""
+    sharded = {c.name: c.chunk for c in result.chunks if c.name in plan.sharded_names}
+    if not sharded:
+        return result
+    name = fragment_file(plan.rank)
+    try:
+        data = fragment_json(plan.rank, sharded)
+        plan.storage.write_small_durably(name, data)
+    except Exception as exc:
+        Commit(plan.storage).abort([*result.files, name], remove_directory=False)
+        return WriteResult(error=f"rank {plan.rank}: writing {name}: {exc}")
+    return WriteResult(
+        files={**result.files, name: len(data)},
+        chunks=[c for c in result.chunks if c.name not in sharded],
+        fragment=(len(data), checksum(data)),
+        sharded_files=sorted({c.file for c in sharded.values()}),
     )
 
 
@@ -604,12 +713,24 @@ def _index(
                 files[c.chunk.file] = r.files[c.chunk.file]
         if node is None or (nodes is not None and nodes[rank] == node):
             files.update(r.files)  # a node's own files, even one of no chunks
+        # Every node's index names every rank's sharded chunks: their files and fragment.
+        for name in [*r.sharded_files, *([fragment_file(rank)] if r.fragment else [])]:
+            files[name] = r.files[name]
     entries = {
         name: TensorEntry(
             name, meta[name][0], meta[name][1], tuple(sorted(chunks, key=lambda c: c.offsets))
         )
         for name, chunks in chunks_of.items()
     }
+    assert plan.job is not None and plan.job.sharded is not None  # rank 0
+    if plan.job.conflict is not None:
+        raise UnsupportedValueError(plan.job.conflict)
+    shardings = {}
+    for name, (dtype, shape, sharding) in plan.job.sharded.items():
+        if name in entries:
+            raise UnsupportedValueError(f"{name!r} is sharded on some ranks and not on others")
+        entries[name] = TensorEntry(name, dtype, shape, ())
+        shardings[name] = sharding
     aliases = {a: t for s in plan.structures for a, t in s["aliases"].items() if a not in entries}
     return Index(
         files=files,
@@ -620,6 +741,8 @@ def _index(
         library_version=__version__,
         world_size=len(results),
         metadata=dict(metadata or {}),
+        shardings=shardings,
+        fragments={rank: r.fragment for rank, r in enumerate(results) if r.fragment},
     )
 
 
@@ -678,7 +801,10 @@ def _holdings(
         if identity is not None:
             seen[identity] = name
         replicated = world > 1 and may_be_replicated(t)
-        holdings.append(Holding(name, dtype, global_shape, offsets, tuple(part.shape), replicated))
+        sharding = None if replicated else regular_sharding(t, name, offsets, tuple(part.shape))
+        holdings.append(
+            Holding(name, dtype, global_shape, offsets, tuple(part.shape), replicated, sharding)
+        )
         local[name] = host_contiguous(part) if to_host else plain(part).contiguous()
     return holdings, aliases, local
 

@@ -11,9 +11,10 @@ import torch
 
 from . import dist
 from .errors import UnsupportedValueError
+from .sharding import Mesh, Sharding
 
 try:
-    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:  # torch built without distributed support
     DTensor = None  # type: ignore[assignment,misc]
@@ -39,6 +40,35 @@ def may_be_replicated(t: torch.Tensor) -> bool:
     if dist.in_solo():
         return False
     return not is_dtensor(t) or any(isinstance(p, Replicate) for p in t.placements)
+
+
+_MESHES: dict[tuple[int, ...], Mesh] = {}  # one object per mesh, so its lookups are shared
+
+
+def regular_sharding(
+    t: torch.Tensor, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]
+) -> Sharding | None:
+    """The sharding that describes ``t`` in format version 2: a DTensor sharded on
+    every mesh dimension (``Shard``, not a strided or replicated placement), whose
+    local chunk (``offsets``, ``shape``) is the one the derivation rule gives this rank."""
+    if dist.in_solo() or not is_dtensor(t):
+        return None
+    if not all(type(p) is Shard for p in t.placements):
+        return None
+    mesh_ranks = t.device_mesh.mesh
+    ranks = tuple(int(r) for r in mesh_ranks.flatten().tolist())
+    key = (*mesh_ranks.shape, -1, *ranks)
+    mesh = _MESHES.get(key) or _MESHES.setdefault(key, Mesh(tuple(mesh_ranks.shape), ranks))
+    sharding = Sharding(mesh, tuple(p.dim for p in t.placements))
+    coord = tuple(int(c) for c in t.device_mesh.get_coordinate() or ())
+    expected = sharding.box(tuple(t.shape), coord)
+    if (tuple(offsets), tuple(shape)) != expected:
+        raise UnsupportedValueError(
+            f"cannot describe the sharding of DTensor {name!r} ({t.placements} on mesh "
+            f"{list(mesh.shape)}): its local chunk is at {list(offsets)} with shape "
+            f"{list(shape)}, the format's rule gives {expected}; please report this"
+        )
+    return sharding
 
 
 def _dtensor_part(

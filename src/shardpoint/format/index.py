@@ -20,6 +20,7 @@ import xxhash
 
 from .. import tree as tree_codec
 from ..errors import CorruptCheckpointError
+from ..sharding import Mesh, Sharding
 from .safetensors import (
     DTYPES,
     TOO_LARGE,
@@ -32,7 +33,8 @@ from .safetensors import (
 )
 
 FORMAT_NAME = "shardpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # written; 1 is still read
+FRAGMENT_FORMAT = "shardpoint-chunks"
 INDEX_NAME = "index.json"
 MARKER_NAME = "COMMITTED"
 CHECKSUM_ALGORITHM = "xxh3-64"
@@ -117,6 +119,10 @@ class Index:
     world_size: int = 1
     metadata: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    # Version 2: entries described by a sharding (their chunks are in the writers'
+    # fragments, read when needed), and each rank's fragment as (size, checksum).
+    shardings: dict[str, Sharding] = field(default_factory=dict)
+    fragments: dict[int, tuple[int, str]] = field(default_factory=dict)
 
     def resolve(self, name: str) -> TensorEntry:
         return self.entries[self.aliases.get(name, name)]
@@ -126,43 +132,70 @@ class Index:
         return tree_codec.tensor_names(self.tree)
 
     def to_json(self) -> bytes:
+        """The index as version 2 JSON (docs/format.md)."""
+        meshes: dict[Mesh, int] = {}
         tensors: dict[str, Any] = {}
         for name in self.names():
             if name in self.aliases:
                 tensors[name] = {"alias_of": self.aliases[name]}
                 continue
             e = self.entries[name]
-            tensors[name] = {
-                "dtype": e.dtype,
-                "shape": list(e.shape),
-                "chunks": [
-                    {
-                        "file": c.file,
-                        "key": c.key,
-                        "offsets": list(c.offsets),
-                        "shape": list(c.shape),
-                        "byte_range": [c.begin, c.end],
-                        "block_rows": c.block_rows,
-                        "checksums": list(c.checksums),
-                    }
-                    for c in e.chunks
-                ],
-            }
+            spec: dict[str, Any] = {"dtype": e.dtype, "shape": list(e.shape)}
+            sharding = self.shardings.get(name)
+            if sharding is not None:
+                mesh = meshes.setdefault(sharding.mesh, len(meshes))
+                spec["sharding"] = {"mesh": mesh, "dims": list(sharding.dims)}
+            else:
+                spec["chunks"] = [chunk_json(c) for c in e.chunks]
+            tensors[name] = spec
         doc = {
             "format": FORMAT_NAME,
-            "format_version": self.format_version,
+            "format_version": FORMAT_VERSION,
             "library_version": self.library_version,
             "created": self.created,
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "world_size": self.world_size,
             "files": {name: {"size": size} for name, size in self.files.items()},
+            "meshes": [{"shape": list(m.shape), "ranks": _ranks_json(m.ranks)} for m in meshes],
+            "fragments": {str(r): list(f) for r, f in sorted(self.fragments.items())},
             "tensors": tensors,
             "tree": self.tree,
             "metadata": self.metadata,
         }
-        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode(
-            "utf-8"
-        )
+        return _dumps(doc)
+
+
+def chunk_json(c: Chunk) -> dict[str, Any]:
+    return {
+        "file": c.file,
+        "key": c.key,
+        "offsets": list(c.offsets),
+        "shape": list(c.shape),
+        "byte_range": [c.begin, c.end],
+        "block_rows": c.block_rows,
+        "checksums": list(c.checksums),
+    }
+
+
+def _dumps(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _ranks_json(ranks: tuple[int, ...]) -> Any:
+    """A mesh's ranks; consecutive ones (the usual case) as {"first", "count"}."""
+    if ranks == tuple(range(ranks[0], ranks[0] + len(ranks))):
+        return {"first": ranks[0], "count": len(ranks)}
+    return list(ranks)
+
+
+def fragment_json(rank: int, chunks: dict[str, Chunk]) -> bytes:
+    """A rank's fragment: the chunks it wrote of entries described by a sharding."""
+    doc = {
+        "format": FRAGMENT_FORMAT,
+        "rank": rank,
+        "chunks": {name: chunk_json(c) for name, c in chunks.items()},
+    }
+    return _dumps(doc)
 
 
 def check_file_name(name: object, where: str) -> str:
@@ -232,8 +265,13 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
         check_file_name(name, where)
         files[name] = _int(info["size"], f"size of file {name!r}", where)
 
+    world_size = _int(doc.get("world_size", 1), "world_size", where, low=1)
+    version = doc["format_version"]
+    meshes = _parse_meshes(doc["meshes"], world_size, where) if version >= 2 else []
+    fragments = _parse_fragments(doc["fragments"], world_size, where) if version >= 2 else {}
     entries: dict[str, TensorEntry] = {}
     aliases: dict[str, str] = {}
+    shardings: dict[str, Sharding] = {}
     for name, spec in doc["tensors"].items():
         if set(spec) == {"alias_of"}:
             aliases[name] = spec["alias_of"]
@@ -244,6 +282,10 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
         shape = _ints(spec["shape"], "shape", name, where)
         if tensor_nbytes(dtype, shape) is None:
             raise _corrupt(where, f"shape {list(shape)} of {name!r} is {TOO_LARGE}")
+        if version >= 2 and "sharding" in spec:
+            shardings[name] = _parse_sharding(spec["sharding"], name, shape, meshes, where)
+            entries[name] = TensorEntry(name, dtype, shape, ())  # chunks: in the fragments
+            continue
         chunks = tuple(_parse_chunk(c, name, dtype, shape, files, where) for c in spec["chunks"])
         _check_cover(name, shape, chunks, where)
         entries[name] = TensorEntry(name, dtype, shape, chunks)
@@ -264,7 +306,6 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
             "state tree and tensor table disagree "
             f"(e.g. {(unknown or sorted(known - set(referenced)))[:3]})",
         )
-    world_size = _int(doc.get("world_size", 1), "world_size", where, low=1)
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict):
         raise _corrupt(where, f"metadata must be a JSON object, got {metadata!r:.200}")
@@ -277,8 +318,90 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
         library_version=str(doc["library_version"]),
         world_size=world_size,
         metadata=metadata,
-        format_version=doc["format_version"],
+        format_version=version,
+        shardings=shardings,
+        fragments=fragments,
     )
+
+
+def _parse_meshes(specs: list[Any], world_size: int, where: str) -> list[Mesh]:
+    meshes = []
+    for spec in specs:
+        shape = _ints(spec["shape"], "shape", "a mesh", where)
+        ranks_spec = spec["ranks"]
+        if type(ranks_spec) is dict:
+            first = _int(ranks_spec["first"], "a mesh's first rank", where)
+            count = _int(ranks_spec["count"], "a mesh's rank count", where, low=1)
+            if first + count > world_size:
+                raise _corrupt(where, f"a mesh names ranks beyond world_size {world_size}")
+            ranks = tuple(range(first, first + count))
+        else:
+            ranks = _ints(ranks_spec, "ranks", "a mesh", where)
+            if any(r >= world_size for r in ranks):
+                raise _corrupt(where, f"a mesh names ranks beyond world_size {world_size}")
+        meshes.append(Mesh(shape, ranks))
+    return meshes
+
+
+def _parse_fragments(
+    spec: dict[str, Any], world_size: int, where: str
+) -> dict[int, tuple[int, str]]:
+    fragments = {}
+    for key, value in spec.items():
+        if not key.isdigit() or int(key) >= world_size or type(value) is not list:
+            raise _corrupt(where, f"fragment entry {key!r:.50}: {value!r:.100} is malformed")
+        size, digest = value
+        _int(size, f"size of rank {key}'s fragment", where)
+        if type(digest) is not str or not _CHECKSUM.fullmatch(digest):
+            raise _corrupt(where, f"rank {key}'s fragment has a malformed checksum")
+        fragments[int(key)] = (size, digest)
+    return fragments
+
+
+def _parse_sharding(
+    spec: dict[str, Any],
+    name: str,
+    shape: tuple[int, ...],
+    meshes: list[Mesh],
+    where: str,
+) -> Sharding:
+    mesh = _int(spec["mesh"], f"mesh of {name!r}", where)
+    if mesh >= len(meshes):
+        raise _corrupt(where, f"entry {name!r} names mesh {mesh}, which is not listed")
+    dims = _ints(spec["dims"], "sharded dims", name, where)
+    sharding = Sharding(meshes[mesh], dims)
+    why = sharding.check(shape, where)
+    if why is not None:
+        raise _corrupt(where, f"the sharding of {name!r} is impossible: {why}")
+    return sharding
+
+
+def parse_fragment(raw: bytes, where: str, rank: int, index: Index) -> dict[str, Chunk]:
+    """Strictly parse rank ``rank``'s fragment: every chunk must be the one the sharding
+    of its entry gives that rank, and lie inside a listed file."""
+    try:
+        doc = strict_json(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _corrupt(where, f"not valid UTF-8 JSON ({exc})") from None
+    if type(doc) is not dict or doc.get("format") != FRAGMENT_FORMAT or doc.get("rank") != rank:
+        raise _corrupt(where, f"not the chunk fragment of rank {rank}")
+    chunks: dict[str, Chunk] = {}
+    try:
+        for name, spec in doc["chunks"].items():
+            sharding = index.shardings.get(name)
+            if sharding is None:
+                raise _corrupt(where, f"names {name!r:.200}, which has no sharding in the index")
+            entry = index.entries[name]
+            chunk = _parse_chunk(spec, name, entry.dtype, entry.shape, index.files, where)
+            coord = sharding.mesh.coord_of(rank)
+            if coord is None or (chunk.offsets, chunk.shape) != sharding.box(entry.shape, coord):
+                raise _corrupt(where, f"its chunk of {name!r} is not the one rank {rank} holds")
+            chunks[name] = chunk
+    except CorruptCheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise _corrupt(where, f"malformed fragment ({type(exc).__name__}: {exc})") from None
+    return chunks
 
 
 def _parse_chunk(

@@ -21,7 +21,7 @@ from ..checkpoint_dir import MAX_INDEX_BYTES
 from ..commit import Commit
 from ..errors import CheckpointError
 from ..format.index import Index, parse_index
-from ..names import INDEX_NAME, is_own_file, parse_step_dir, shard_rank, step_dir
+from ..names import INDEX_NAME, is_own_file, parse_step_dir, step_dir, writer_rank
 from ..storage import CheckpointStorage, join, open_storage
 from ..storage.io_types import BLOCK
 
@@ -211,7 +211,7 @@ class Uploader:
         source = self.local.open(step)
         if not Commit(source).is_committed():
             raise FileNotFoundError(f"{source.where}: not committed in the local tier")
-        names = [n for n in source.list() if shard_rank(n) == self.rank and n in wanted]
+        names = [n for n in source.list() if writer_rank(n) == self.rank and n in wanted]
         target = self.remote.open(step)
         return copy_files(source, target, names, self.threads)
 

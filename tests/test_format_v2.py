@@ -1,0 +1,261 @@
+"""Format version 2: a sharded tensor is described once in the index, each rank's
+chunks live in its own fragment, and version 1 checkpoints still load unchanged."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_ranks
+
+import shardpoint
+from shardpoint.errors import CorruptCheckpointError
+from shardpoint.format.index import INDEX_NAME
+from shardpoint.names import fragment_file
+
+GOLDEN_V1 = Path(__file__).parent / "data" / "v1-two-ranks"
+EXPERTS = 100
+
+
+def _golden_values():
+    return torch.arange(21, dtype=torch.float32).reshape(7, 3), torch.arange(5)
+
+
+def test_a_version_1_checkpoint_loads_verifies_and_inspects_unchanged(tmp_path):
+    """Saved by the release before version 2 on 2 ranks (a Shard(0) DTensor, a
+    replicated tensor, values); the files are as that release wrote them."""
+    ckpt = tmp_path / "v1"
+    shutil.copytree(GOLDEN_V1, ckpt)
+    assert json.loads((ckpt / INDEX_NAME).read_text())["format_version"] == 1
+    state = {"sharded": torch.zeros(7, 3), "replicated": torch.zeros(5, dtype=torch.int64)}
+    state |= {"step": 0, "name": ""}
+    shardpoint.load(state, ckpt)
+    sharded, replicated = _golden_values()
+    assert torch.equal(state["sharded"], sharded) and torch.equal(state["replicated"], replicated)
+    assert state["step"] == 12 and state["name"] == "golden"
+    assert shardpoint.verify(ckpt).ok
+    with shardpoint.open(ckpt) as reader:
+        assert reader.metadata["format_version"] == 1
+        assert len(reader.entry("sharded").chunks) == 2
+
+
+def _global(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(shape, generator=g)
+
+
+SHAPES = {
+    "fsdp.w": (10, 6),  # 10 rows over 4 ranks: 3, 3, 3, 1
+    "fsdp.b": (3,),  # 3 rows over 4 ranks: one rank's shard is empty
+    "tp2d.w": (8, 6),  # a 2 x 2 mesh: rows x columns
+}
+SHAPES |= {f"moe.experts.{i}.w": (4 + i % 5, 3) for i in range(EXPERTS)}
+
+
+def _sharded_state(world: int, value_offset: float = 0.0) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {}
+    for name, shape in SHAPES.items():
+        full = _global(name, shape) + value_offset
+        if name.startswith("tp2d") and world == 4:
+            grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            state[name] = distribute_tensor(full, grid, [Shard(0), Shard(1)])
+        else:
+            state[name] = distribute_tensor(full, mesh, [Shard(0)])
+    state["norm"] = torch.arange(6.0) + value_offset  # plain: replicated on every rank
+    state["step"] = 41
+    return state
+
+
+def _save4(rank: int, world: int, path: str) -> None:
+    shardpoint.save(_sharded_state(world), path)
+
+
+def _load_on(rank: int, world: int, path: str) -> None:
+    state = _sharded_state(world, value_offset=100.0)  # different values, same layout
+    state["step"] = 0
+    shardpoint.load(state, path)
+    for name, shape in SHAPES.items():
+        assert torch.equal(state[name].full_tensor(), _global(name, shape)), name
+    assert torch.equal(state["norm"], torch.arange(6.0)) and state["step"] == 41
+
+
+@pytest.fixture(scope="module")
+def saved_on_4(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("v2") / "ckpt"
+    run_ranks(4, _save4, str(path))
+    return path
+
+
+def test_a_sharded_tensor_is_described_once_and_its_chunks_are_in_the_writers_fragments(
+    saved_on_4,
+):
+    index = json.loads((saved_on_4 / INDEX_NAME).read_text())
+    assert index["format_version"] == 2 and index["world_size"] == 4
+    tensors = index["tensors"]
+    for name in SHAPES:
+        assert "chunks" not in tensors[name] and "sharding" in tensors[name], name
+    assert tensors["tp2d.w"]["sharding"]["dims"] == [0, 1]
+    meshes = index["meshes"]
+    assert {tuple(m["shape"]) for m in meshes} == {(4,), (2, 2)}
+    assert all(m["ranks"] == {"first": 0, "count": 4} for m in meshes)
+    assert sorted(index["fragments"]) == ["0", "1", "2", "3"]
+    # Per sharded tensor the index holds a few dozen bytes, not a chunk per rank.
+    sharded_bytes = sum(len(json.dumps(tensors[n])) for n in SHAPES)
+    assert sharded_bytes < 80 * len(SHAPES), sharded_bytes
+    for rank in range(4):
+        fragment = json.loads((saved_on_4 / fragment_file(rank)).read_text())
+        assert fragment["rank"] == rank
+        assert set(fragment["chunks"]) == set(SHAPES)  # every rank holds a piece of each
+    assert shardpoint.verify(saved_on_4).ok
+
+
+@pytest.mark.parametrize("world", [3, 2])
+def test_saved_on_4_ranks_loads_bit_identical_on_fewer(saved_on_4, world):
+    run_ranks(world, _load_on, str(saved_on_4))
+
+
+def test_saved_on_4_ranks_loads_bit_identical_in_one_process(saved_on_4):
+    state = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+    state |= {"norm": torch.zeros(6), "step": 0}
+    shardpoint.load(state, saved_on_4)
+    for name, shape in SHAPES.items():
+        assert torch.equal(state[name], _global(name, shape)), name
+    with shardpoint.open(saved_on_4) as reader:
+        assert torch.equal(
+            reader.get_slice("tp2d.w")[2:7, 1:5], _global("tp2d.w", (8, 6))[2:7, 1:5]
+        )
+
+
+def _corrupt_copy(src: Path, dst: Path, damage) -> Path:
+    shutil.copytree(src, dst)
+    damage(dst)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "damage,match",
+    [
+        (
+            lambda d: (d / fragment_file(1)).unlink(),
+            "rank00001.chunks.json: the chunk fragment is missing",
+        ),
+        (
+            lambda d: (d / fragment_file(2)).write_bytes(
+                (d / fragment_file(2)).read_bytes().replace(b'"block_rows":', b'"block_rows": ')
+            ),
+            "rank00002.chunks.json: the chunk fragment is not the one the index committed",
+        ),
+        (
+            lambda d: [
+                (d / "swap").write_bytes((d / fragment_file(0)).read_bytes()),
+                (d / fragment_file(0)).write_bytes((d / fragment_file(3)).read_bytes()),
+                (d / fragment_file(3)).write_bytes((d / "swap").read_bytes()),
+                (d / "swap").unlink(),
+            ],
+            "rank00000.chunks.json: the chunk fragment is not the one the index committed",
+        ),
+    ],
+    ids=["missing", "edited", "swapped"],
+)
+def test_a_missing_edited_or_swapped_fragment_is_a_typed_error_naming_it(
+    saved_on_4, tmp_path, damage, match
+):
+    ckpt = _corrupt_copy(saved_on_4, tmp_path / "damaged", damage)
+    state = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+    state |= {"norm": torch.zeros(6), "step": 0}
+    before = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(CorruptCheckpointError, match=match):
+        shardpoint.load(state, ckpt)
+    assert all(torch.equal(state[k], v) for k, v in before.items())  # nothing changed
+    assert not shardpoint.verify(ckpt).ok
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(12, 16)
+        self.b = torch.nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _fsdp_tp_save(rank: int, world: int, path: str) -> None:
+    """FSDP2 over TP on a 2 x 2 mesh: colwise ``a`` (FSDP2 makes it a strided shard,
+    kept in the index as chunks), rowwise ``b`` (Shard(0) x Shard(1): a sharding)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _MLP()
+    parallelize_module(model, mesh["tp"], {"a": ColwiseParallel(), "b": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    shardpoint.save(shardpoint.TrainState(model=model, capture_rng_state=False), path)
+
+
+def _fsdp_load(rank: int, world: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _MLP()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the load must overwrite every value
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    shardpoint.load(shardpoint.TrainState(model=model, capture_rng_state=False), path)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value.full_tensor(), expected[name]), name
+
+
+def test_a_real_fsdp2_over_tp_model_saved_on_4_ranks_loads_on_2_and_on_1(tmp_path):
+    path = tmp_path / "fsdp-tp"
+    run_ranks(4, _fsdp_tp_save, str(path))
+    index = json.loads((path / INDEX_NAME).read_text())
+    assert "sharding" in index["tensors"]["model.b.weight"]
+    run_ranks(2, _fsdp_load, str(path))
+    model = _MLP()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    shardpoint.load(shardpoint.TrainState(model=model, capture_rng_state=False), path)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    assert shardpoint.verify(path).ok
+
+
+def test_a_fragment_that_lies_about_a_chunk_is_refused(saved_on_4, tmp_path):
+    """A fragment re-signed in the index (as a hostile or buggy writer could) that
+    places rank 1's chunk of ``fsdp.w`` where rank 2's is: refused, naming it, before
+    its bytes are used — the sharding, not the fragment, says where a chunk belongs."""
+    from conftest import rewrite_index
+
+    from shardpoint.format.index import checksum
+
+    ckpt = tmp_path / "lying"
+    shutil.copytree(saved_on_4, ckpt)
+    path = ckpt / fragment_file(1)
+    doc = json.loads(path.read_text())
+    doc["chunks"]["fsdp.w"]["offsets"] = [6, 0]  # rank 2's rows
+    raw = json.dumps(doc).encode()
+    path.write_bytes(raw)
+    rewrite_index(ckpt, lambda d: d["fragments"].update({"1": [len(raw), checksum(raw)]}))
+    state = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+    state |= {"norm": torch.zeros(6), "step": 0}
+    with pytest.raises(CorruptCheckpointError, match="rank00001.chunks.json.*not the one rank 1"):
+        shardpoint.load(state, ckpt)
+    assert not shardpoint.verify(ckpt).ok

@@ -1,0 +1,77 @@
+"""The chunk geometry format version 2 derives from a mesh and placements is torch's,
+for even, uneven and empty shards and several mesh dimensions sharding one dimension."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from shardpoint.sharding import Mesh, Sharding
+
+
+def _cases(count: int):
+    rng = random.Random(7)
+    for _ in range(count):
+        ndim = rng.randint(1, 3)
+        shape = tuple(rng.choice([0, 1, 2, 3, 5, 7, 8, 13, 64]) for _ in range(ndim))
+        mesh_ndim = rng.randint(1, 3)
+        mesh = tuple(rng.randint(1, 5) for _ in range(mesh_ndim))
+        dims = tuple(rng.randrange(ndim) for _ in range(mesh_ndim))
+        yield shape, mesh, dims
+
+
+@pytest.mark.parametrize("shape,mesh,dims", list(_cases(300)))
+def test_every_chunk_is_the_one_torch_gives_that_mesh_coordinate(shape, mesh, dims):
+    sharding = Sharding(Mesh(mesh, tuple(range(_prod(mesh)))), dims)
+    volume = 0
+    for coord in sharding.coords():
+        torch_shape, torch_offsets = _compute_local_shape_and_global_offset(
+            shape, mesh, list(coord), [Shard(d) for d in dims]
+        )
+        offsets, sizes = sharding.box(shape, coord)
+        assert sizes == tuple(torch_shape), (coord, sizes, torch_shape)
+        if all(sizes):  # an empty chunk holds no bytes; torch places it at the end
+            assert offsets == tuple(torch_offsets), (coord, offsets, torch_offsets)
+        volume += _prod(sizes)
+    assert volume == _prod(shape)
+
+
+@pytest.mark.parametrize("shape,mesh,dims", list(_cases(200)))
+def test_the_coordinates_overlapping_a_box_are_exactly_the_chunks_it_meets(shape, mesh, dims):
+    rng = random.Random(hash((shape, mesh, dims)) & 0xFFFF)
+    ranks = tuple(range(_prod(mesh)))
+    sharding = Sharding(Mesh(mesh, ranks), dims)
+    for _ in range(5):
+        lo = tuple(rng.randint(0, max(n - 1, 0)) for n in shape)
+        hi = tuple(rng.randint(a + 1, max(n, a + 1)) for a, n in zip(lo, shape))
+        expected = set()
+        for coord in sharding.coords():
+            offsets, sizes = sharding.box(shape, coord)
+            if all(sizes) and all(
+                o < h and a < o + s for o, s, a, h in zip(offsets, sizes, lo, hi)
+            ):
+                expected.add(coord)
+        if not all(n > 0 for n in shape):
+            expected = set()
+        assert set(sharding.overlapping(shape, lo, hi)) == expected
+
+
+def test_a_rank_finds_its_shard_among_16384_without_visiting_the_others():
+    sharding = Sharding(Mesh((8, 2048), tuple(range(16384))), (1, 0))
+    shape = (4096 * 4, 8 * 512)
+    coord = (5, 1000)
+    offsets, sizes = sharding.box(shape, coord)
+    hi = tuple(o + s for o, s in zip(offsets, sizes))
+    assert list(sharding.overlapping(shape, offsets, hi)) == [coord]
+    assert sharding.mesh.rank_at(coord) == 5 * 2048 + 1000
+    assert sharding.mesh.coord_of(5 * 2048 + 1000) == coord
+
+
+def _prod(xs):
+    out = 1
+    for x in xs:
+        out *= x
+    return out
