@@ -193,7 +193,7 @@ def main() -> None:
         print(f"\n{name}: {ranks:,} ranks x {params:,} sharded parameters + {NORMS} norms")
         rows = [
             ("global index (MB)", v1["index_bytes"] / 1e6, v2["index_bytes"] / 1e6),
-            ("rank 0 builds + writes it (s)", v1["rank0_commit_s"], v2["rank0_commit_s"]),
+            ("rank 0 builds + serialises it (s)", v1["rank0_commit_s"], v2["rank0_commit_s"]),
             ("a rank plans its load (s)", v1["load_plan_s"], v2["load_plan_s"]),
             ("a rank plans its save, steady (s)", None, v2["save_plan_steady_s"]),
             ("  + on a structure change (s)", None, v2["save_plan_replan_extra_s"]),
