@@ -344,9 +344,10 @@ class Undo:
         batch: list[torch.Tensor] = []
         size = 0
         for t in tensors:
-            for lo in range(0, t.numel(), UNDO_PIECE_BYTES):
-                batch.append(t[lo : lo + UNDO_PIECE_BYTES])
-                size += batch[-1].numel()
+            pieces = [t] if t.numel() <= UNDO_PIECE_BYTES else t.split(UNDO_PIECE_BYTES)
+            for piece in pieces:
+                batch.append(piece)
+                size += piece.numel()
                 if size >= UNDO_PIECE_BYTES:
                     tasks.append(pool.submit(self._save_flat, batch))
                     batch, size = [], 0

@@ -513,7 +513,8 @@ def _write_fragment(plan: SavePlan, result: WriteResult) -> WriteResult:
     """Move this rank's chunks of sharded entries out of what goes to rank 0 into its
     fragment file (format version 2): rank 0's index then describes those entries once,
     whatever the number of ranks."""
-    sharded = {c.name: c.chunk for c in result.chunks if c.name in plan.sharded_names}
+    names = plan.sharded_names
+    sharded = {c.name: c.chunk for c in result.chunks if c.name in names} if names else {}
     if not sharded:
         return result
     name = fragment_file(plan.rank)
