@@ -20,6 +20,13 @@ GOLDEN_V1 = Path(__file__).parent / "data" / "v1-two-ranks"
 EXPERTS = 100
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _golden_values():
     return torch.arange(21, dtype=torch.float32).reshape(7, 3), torch.arange(5)
 
@@ -51,21 +58,23 @@ SHAPES = {
     "fsdp.w": (10, 6),  # 10 rows over 4 ranks: 3, 3, 3, 1
     "fsdp.b": (3,),  # 3 rows over 4 ranks: one rank's shard is empty
     "tp2d.w": (8, 6),  # a 2 x 2 mesh: rows x columns
+    "hsdp.w": (9, 4),  # a 2 x 2 mesh: replicated x rows (HSDP)
 }
 SHAPES |= {f"moe.experts.{i}.w": (4 + i % 5, 3) for i in range(EXPERTS)}
 
 
 def _sharded_state(world: int, value_offset: float = 0.0) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
     state = {}
     for name, shape in SHAPES.items():
         full = _global(name, shape) + value_offset
-        if name.startswith("tp2d") and world == 4:
+        if name.startswith(("tp2d", "hsdp")) and world == 4:
             grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-            state[name] = distribute_tensor(full, grid, [Shard(0), Shard(1)])
+            placements = [Shard(0), Shard(1)] if name == "tp2d.w" else [Replicate(), Shard(0)]
+            state[name] = distribute_tensor(full, grid, placements)
         else:
             state[name] = distribute_tensor(full, mesh, [Shard(0)])
     state["norm"] = torch.arange(6.0) + value_offset  # plain: replicated on every rank
@@ -109,10 +118,21 @@ def test_a_sharded_tensor_is_described_once_and_its_chunks_are_in_the_writers_fr
     # Per sharded tensor the index holds a few dozen bytes, not a chunk per rank.
     sharded_bytes = sum(len(json.dumps(tensors[n])) for n in SHAPES)
     assert sharded_bytes < 80 * len(SHAPES), sharded_bytes
+    assert tensors["hsdp.w"]["sharding"]["dims"] == [-1, 0]
     for rank in range(4):
         fragment = json.loads((saved_on_4 / fragment_file(rank)).read_text())
         assert fragment["rank"] == rank
-        assert set(fragment["chunks"]) == set(SHAPES)  # every rank holds a piece of each
+        # Every rank writes its piece of each tensor; of the HSDP tensor's two row
+        # chunks, replica 0 writes the first (rank 0) and replica 1 the second (rank 3).
+        hsdp = {"hsdp.w"} if rank in (0, 3) else set()
+        assert set(fragment["chunks"]) == (set(SHAPES) - {"hsdp.w"}) | hsdp, rank
+    hsdp_bytes = 0
+    for rank in range(4):
+        chunks = json.loads((saved_on_4 / fragment_file(rank)).read_text())["chunks"]
+        if "hsdp.w" in chunks:
+            begin, end = chunks["hsdp.w"]["byte_range"]
+            hsdp_bytes += end - begin
+    assert hsdp_bytes == 4 * _numel(SHAPES["hsdp.w"])  # each byte stored once, not twice
     assert shardpoint.verify(saved_on_4).ok
 
 

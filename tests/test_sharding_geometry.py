@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from shardpoint.sharding import Mesh, Sharding
+from shardpoint.sharding import REPLICATED, Mesh, Sharding
 
 
 def _cases(count: int):
@@ -19,8 +19,14 @@ def _cases(count: int):
         shape = tuple(rng.choice([0, 1, 2, 3, 5, 7, 8, 13, 64]) for _ in range(ndim))
         mesh_ndim = rng.randint(1, 3)
         mesh = tuple(rng.randint(1, 5) for _ in range(mesh_ndim))
-        dims = tuple(rng.randrange(ndim) for _ in range(mesh_ndim))
+        dims = tuple(
+            REPLICATED if rng.random() < 0.25 else rng.randrange(ndim) for _ in range(mesh_ndim)
+        )
         yield shape, mesh, dims
+
+
+def _placements(dims):
+    return [Replicate() if d == REPLICATED else Shard(d) for d in dims]
 
 
 @pytest.mark.parametrize("shape,mesh,dims", list(_cases(300)))
@@ -29,14 +35,15 @@ def test_every_chunk_is_the_one_torch_gives_that_mesh_coordinate(shape, mesh, di
     volume = 0
     for coord in sharding.coords():
         torch_shape, torch_offsets = _compute_local_shape_and_global_offset(
-            shape, mesh, list(coord), [Shard(d) for d in dims]
+            shape, mesh, list(coord), _placements(dims)
         )
         offsets, sizes = sharding.box(shape, coord)
         assert sizes == tuple(torch_shape), (coord, sizes, torch_shape)
         if all(sizes):  # an empty chunk holds no bytes; torch places it at the end
             assert offsets == tuple(torch_offsets), (coord, offsets, torch_offsets)
         volume += _prod(sizes)
-    assert volume == _prod(shape)
+    copies = _prod(n for n, d in zip(mesh, dims) if d == REPLICATED)
+    assert volume == _prod(shape) * copies
 
 
 @pytest.mark.parametrize("shape,mesh,dims", list(_cases(200)))
@@ -49,6 +56,8 @@ def test_the_coordinates_overlapping_a_box_are_exactly_the_chunks_it_meets(shape
         hi = tuple(rng.randint(a + 1, max(n, a + 1)) for a, n in zip(lo, shape))
         expected = set()
         for coord in sharding.coords():
+            if any(c and d == REPLICATED for c, d in zip(coord, dims)):
+                continue  # one coordinate per chunk: 0 in replicated mesh dimensions
             offsets, sizes = sharding.box(shape, coord)
             if all(sizes) and all(
                 o < h and a < o + s for o, s, a, h in zip(offsets, sizes, lo, hi)
@@ -75,3 +84,26 @@ def _prod(xs):
     for x in xs:
         out *= x
     return out
+
+
+@pytest.mark.parametrize(
+    "mesh,dims",
+    [
+        ((2, 2), (REPLICATED, 0)),
+        ((3, 4), (REPLICATED, 1)),
+        ((2, 2, 2), (0, REPLICATED, REPLICATED)),
+    ],
+)
+def test_replicas_share_the_writing_and_each_chunk_has_one_writer_among_its_holders(mesh, dims):
+    """HSDP: each chunk is written once, by one of the ranks that hold it, and the
+    replicas write about the same number of chunks."""
+    shape = (24, 12)
+    sharding = Sharding(Mesh(mesh, tuple(range(_prod(mesh)))), dims)
+    written: dict[int, int] = {}
+    for coord in sharding.overlapping(shape, (0, 0), shape):
+        writer = sharding.writer(coord)
+        holder = sharding.mesh.coord_of(writer)
+        assert sharding.box(shape, holder) == sharding.box(shape, coord)
+        written[writer] = written.get(writer, 0) + 1
+    assert max(written.values()) - min(written.values()) <= 1
+    assert sum(written.values()) == _prod(n for n, d in zip(mesh, dims) if d != REPLICATED)

@@ -289,9 +289,20 @@ MUTATIONS = [
         "fragment geometry not checked",
         "hostile input gives typed errors only (format version 2 fragments)",
         "src/shardpoint/format/index.py",
-        "(chunk.offsets, chunk.shape) != sharding.box(entry.shape, coord):",
-        "False:",
+        "                or (chunk.offsets, chunk.shape) != sharding.box(entry.shape, coord)\n",
+        "                or False\n",
         ("tests/test_format_v2.py::test_a_fragment_that_lies_about_a_chunk_is_refused",),
+    ),
+    Mutation(
+        "HSDP replicas all write",
+        "every byte written once (format version 2 shardings with replicas)",
+        "src/shardpoint/saving.py",
+        "    return coord is not None and h.sharding.writer(coord) == rank",
+        "    return coord is not None",
+        (
+            "tests/test_format_v2.py::"
+            "test_a_sharded_tensor_is_described_once_and_its_chunks_are_in_the_writers_fragments",
+        ),
     ),
     Mutation(
         "remote read first",

@@ -58,7 +58,7 @@ class CommittedCheckpoint:
             return list(entry.chunks)
         out = []
         for coord in sharding.overlapping(entry.shape, lo, hi):
-            rank = sharding.mesh.rank_at(coord)
+            rank = sharding.writer(coord)
             chunk = self.fragment(rank).get(entry.name)
             if chunk is None:
                 raise CorruptCheckpointError(

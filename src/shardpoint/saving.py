@@ -316,8 +316,7 @@ def plan_save(
         )
         _PLANS[cache_key] = cached
     assert cached is not None
-    sole = [h for h in holdings if not h.replicated]
-    mine = [Piece(h.name, h.offsets, h.shape, me, h) for h in sole]
+    mine = [Piece(h.name, h.offsets, h.shape, me, h) for h in holdings if _writes(h, me)]
     mine += [p for p in cached.pieces if p.writer == me]
     return SavePlan(
         storage,
@@ -332,6 +331,17 @@ def plan_save(
         commit_,
         cached,
     )
+
+
+def _writes(h: Holding, rank: int) -> bool:
+    """Whether ``rank`` writes its unreplicated holding ``h``: always, unless copies of
+    it sit on other replicas (HSDP), of which the sharding picks one."""
+    if h.replicated:
+        return False  # planned among its holders
+    if h.sharding is None:
+        return True
+    coord = h.sharding.mesh.coord_of(rank)
+    return coord is not None and h.sharding.writer(coord) == rank
 
 
 @dataclass(frozen=True)
@@ -392,7 +402,7 @@ def _plan_job(
     also gathers each distinct list of sharded entries once, for the index."""
     gathered = dist.all_gather_json(
         {
-            "sole_bytes": sum(h.nbytes for h in holdings if not h.replicated),
+            "sole_bytes": sum(h.nbytes for h in holdings if _writes(h, dist.rank())),
             "replicated": [h.to_json() for h in holdings if h.replicated],
             "aliases": aliases,
             "node": dist.node_rank(),
@@ -801,8 +811,8 @@ def _holdings(
             continue
         if identity is not None:
             seen[identity] = name
-        replicated = world > 1 and may_be_replicated(t)
-        sharding = None if replicated else regular_sharding(t, name, offsets, tuple(part.shape))
+        sharding = regular_sharding(t, name, offsets, tuple(part.shape)) if world > 1 else None
+        replicated = sharding is None and world > 1 and may_be_replicated(t)
         holdings.append(
             Holding(name, dtype, global_shape, offsets, tuple(part.shape), replicated, sharding)
         )

@@ -1,8 +1,9 @@
 """The chunks of a regularly sharded tensor, derived from its mesh and placements.
 
-Format version 2 describes a DTensor whose placements are all ``Shard(d)`` (FSDP, TP,
-FSDP x TP, expert parallelism) once — global shape, mesh, placements — instead of
-listing one chunk per rank (docs/format.md). Every reader derives the chunk of any
+Format version 2 describes a DTensor whose placements are ``Shard(d)`` or
+``Replicate`` with at least one ``Shard`` (FSDP, TP, FSDP x TP, HSDP, expert
+parallelism) once — global shape, mesh, placements — instead of listing one chunk per
+rank (docs/format.md). Every reader derives the chunk of any
 mesh coordinate from that description with the rule below, which is the one torch
 applies (``torch.chunk`` sizes, mesh dimensions in order, an empty shard placed at the
 end of its dimension); the writer checks its own chunk against it before saving.
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import xxhash
+
+REPLICATED = -1
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,9 @@ class Mesh:
 @dataclass(frozen=True)
 class Sharding:
     mesh: Mesh
-    dims: tuple[int, ...]  # the tensor dimension each mesh dimension shards
+    # The tensor dimension each mesh dimension shards; REPLICATED where the mesh
+    # dimension holds copies (HSDP's replica dimension).
+    dims: tuple[int, ...]
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -67,6 +72,8 @@ class Sharding:
         offsets = [0] * len(shape)
         sizes = list(shape)
         for parts, d, c in zip(self.mesh_shape, self.dims, coord):
+            if d == REPLICATED:
+                continue
             step = -(-sizes[d] // parts)
             lo = min(c * step, sizes[d])
             hi = min(lo + step, sizes[d])
@@ -84,7 +91,8 @@ class Sharding:
     ) -> Iterator[tuple[int, ...]]:
         """Mesh coordinates whose non-empty chunk overlaps the box ``[lo, hi)``, found by
         division per mesh dimension (a rank loading its shard of a tensor sharded over
-        16,384 ranks looks at one or two of them, not all)."""
+        16,384 ranks looks at one or two of them, not all); one per chunk, with 0 in
+        replicated mesh dimensions (``writer`` says which replica stored it)."""
 
         def walk(
             i: int, coord: tuple[int, ...], offsets: list[int], sizes: list[int]
@@ -94,6 +102,9 @@ class Sharding:
                     yield coord
                 return
             d, parts = self.dims[i], self.mesh_shape[i]
+            if d == REPLICATED:  # one chunk for all replicas: its coordinate says 0
+                yield from walk(i + 1, (*coord, 0), offsets, sizes)
+                return
             step = -(-sizes[d] // parts) or 1
             first = max(0, (lo[d] - offsets[d]) // step)
             last = min(parts - 1, (hi[d] - 1 - offsets[d]) // step)
@@ -108,6 +119,23 @@ class Sharding:
         if all(h > lo_ for lo_, h in zip(lo, hi)) or not shape:
             yield from walk(0, (), [0] * len(shape), list(shape))
 
+    def writer(self, coord: tuple[int, ...]) -> int:
+        """The rank that stored the chunk at ``coord`` (its replicated mesh dimensions
+        ignored): replica number (chunk number mod replicas), so that replicas share
+        the writing evenly."""
+        replicated = [i for i, d in enumerate(self.dims) if d == REPLICATED]
+        if not replicated:
+            return self.mesh.rank_at(coord)
+        chunk = 0
+        for i, d in enumerate(self.dims):
+            if d != REPLICATED:
+                chunk = chunk * self.mesh.shape[i] + coord[i]
+        replica = chunk % math.prod(self.mesh.shape[i] for i in replicated)
+        at = list(coord)
+        for i in reversed(replicated):
+            replica, at[i] = divmod(replica, self.mesh.shape[i])
+        return self.mesh.rank_at(tuple(at))
+
     def check(self, shape: tuple[int, ...], where: str) -> str | None:
         """Why this description cannot be right for a tensor of ``shape``, or None."""
         if len(self.mesh_shape) != len(self.dims) or not self.mesh_shape:
@@ -118,6 +146,8 @@ class Sharding:
             return "the mesh's ranks do not fill its shape"
         if len(self.mesh._flat_of) != len(self.mesh.ranks):
             return "a rank appears twice in the mesh"
-        if any(not 0 <= d < len(shape) for d in self.dims):
+        if any(not REPLICATED <= d < len(shape) for d in self.dims):
             return f"a placement shards a dimension the tensor {list(shape)} does not have"
+        if all(d == REPLICATED for d in self.dims):
+            return "no mesh dimension shards the tensor"
         return None

@@ -11,7 +11,7 @@ import torch
 
 from . import dist
 from .errors import UnsupportedValueError
-from .sharding import Mesh, Sharding
+from .sharding import REPLICATED, Mesh, Sharding
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -48,18 +48,21 @@ _MESHES: dict[tuple[int, ...], Mesh] = {}  # one object per mesh, so its lookups
 def regular_sharding(
     t: torch.Tensor, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]
 ) -> Sharding | None:
-    """The sharding that describes ``t`` in format version 2: a DTensor sharded on
-    every mesh dimension (``Shard``, not a strided or replicated placement), whose
-    local chunk (``offsets``, ``shape``) is the one the derivation rule gives this rank."""
+    """The sharding that describes ``t`` in format version 2: a DTensor whose
+    placements are ``Shard`` (at least one) or ``Replicate``, not strided or partial,
+    and whose local chunk (``offsets``, ``shape``) is the one the derivation rule
+    gives this rank."""
     if dist.in_solo() or not is_dtensor(t):
         return None
-    if not all(type(p) is Shard for p in t.placements):
-        return None
+    kinds = [type(p) for p in t.placements]
+    if Shard not in kinds or not all(k in (Shard, Replicate) for k in kinds):
+        return None  # all replicated (planned), strided or partial placements
     mesh_ranks = t.device_mesh.mesh
     ranks = tuple(int(r) for r in mesh_ranks.flatten().tolist())
     key = (*mesh_ranks.shape, -1, *ranks)
     mesh = _MESHES.get(key) or _MESHES.setdefault(key, Mesh(tuple(mesh_ranks.shape), ranks))
-    sharding = Sharding(mesh, tuple(p.dim for p in t.placements))
+    dims = tuple(p.dim if isinstance(p, Shard) else REPLICATED for p in t.placements)
+    sharding = Sharding(mesh, dims)
     coord = tuple(int(c) for c in t.device_mesh.get_coordinate() or ())
     expected = sharding.box(tuple(t.shape), coord)
     if (tuple(offsets), tuple(shape)) != expected:

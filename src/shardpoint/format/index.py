@@ -368,8 +368,10 @@ def _parse_sharding(
     mesh = _int(spec["mesh"], f"mesh of {name!r}", where)
     if mesh >= len(meshes):
         raise _corrupt(where, f"entry {name!r} names mesh {mesh}, which is not listed")
-    dims = _ints(spec["dims"], "sharded dims", name, where)
-    sharding = Sharding(meshes[mesh], dims)
+    dims = spec["dims"]
+    if type(dims) is not list or not all(type(d) is int for d in dims):
+        raise _corrupt(where, f"the sharded dims of {name!r} must be a list of ints")
+    sharding = Sharding(meshes[mesh], tuple(dims))
     why = sharding.check(shape, where)
     if why is not None:
         raise _corrupt(where, f"the sharding of {name!r} is impossible: {why}")
@@ -394,7 +396,11 @@ def parse_fragment(raw: bytes, where: str, rank: int, index: Index) -> dict[str,
             entry = index.entries[name]
             chunk = _parse_chunk(spec, name, entry.dtype, entry.shape, index.files, where)
             coord = sharding.mesh.coord_of(rank)
-            if coord is None or (chunk.offsets, chunk.shape) != sharding.box(entry.shape, coord):
+            if (
+                coord is None
+                or sharding.writer(coord) != rank
+                or (chunk.offsets, chunk.shape) != sharding.box(entry.shape, coord)
+            ):
                 raise _corrupt(where, f"its chunk of {name!r} is not the one rank {rank} holds")
             chunks[name] = chunk
     except CorruptCheckpointError:
