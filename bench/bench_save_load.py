@@ -9,7 +9,7 @@ Every save is timed until its files are durable: peers that do not fsync get an 
 of their output files inside the timed region, as shardpoint does. "Cold" loads drop
 the page cache of the checkpoint files first. Prints a table, writes JSON.
 
-    python bench/bench_save_load.py [--dir DIR] [--reps 3] [--quick] [--only large|small]
+    python bench/bench_save_load.py [--dir DIR] [--reps 3] [--quick] [--only large|small|many]
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ def large_state(n: int = 48, numel: int = 8 * 1024 * 1024) -> dict[str, torch.Te
 def small_state(n: int = 10_000) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {f"p{i:05d}": torch.randn(256 + (i * 37) % 3840, generator=g) for i in range(n)}
+
+
+def many_state(n: int = 100_000) -> dict[str, torch.Tensor]:
+    """A mixture-of-experts-like count of small tensors (64 to 1,023 floats)."""
+    g = torch.Generator().manual_seed(0)
+    return {f"e{i:06d}": torch.randn(64 + (i * 37) % 960, generator=g) for i in range(n)}
 
 
 def nbytes(state: dict[str, torch.Tensor]) -> int:
@@ -242,7 +248,7 @@ def measure(name: str, state: dict[str, torch.Tensor], root: Path, reps: int) ->
     rows = {
         label: {op: statistics.median(v) for op, v in ops.items()} for label, ops in times.items()
     }
-    table(name, size, rows)
+    table(name, size, rows, len(state))
     return {"tensors": len(state), "bytes": size, "seconds": rows, "all_seconds": times}
 
 
@@ -251,7 +257,7 @@ def checksum_all(state: dict[str, torch.Tensor]) -> None:
         xxhash.xxh3_64_intdigest(t.numpy())
 
 
-def table(name: str, size: int, rows: dict[str, dict[str, float]]) -> None:
+def table(name: str, size: int, rows: dict[str, dict[str, float]], tensors: int) -> None:
     raw = rows["raw O_DIRECT"]
     print(f"\n{name}  ({size / 1e9:.2f} GB)   GB/s (ratio to raw O_DIRECT)")
     print(f"{'':28}{'save':>18}{'cold load':>18}{'warm load':>18}")
@@ -263,6 +269,16 @@ def table(name: str, size: int, rows: dict[str, dict[str, float]]) -> None:
             else:
                 cells.append("")
         print(f"{label:28}" + "".join(f"{c:>18}" for c in cells))
+    if tensors >= 10_000:  # many small tensors: the cost per tensor is the figure
+        print(f"\n{name}   microseconds per tensor")
+        for label, row in rows.items():
+            if label in ("raw O_DIRECT", "memcpy", "xxh3 checksum"):
+                continue
+            cells = [
+                f"{row[k] / tensors * 1e6:.1f}" if k in row else ""
+                for k in ("save", "cold", "warm")
+            ]
+            print(f"{label:28}" + "".join(f"{c:>18}" for c in cells))
 
 
 def main() -> None:
@@ -276,15 +292,25 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a small state, to check the script runs"
     )
-    parser.add_argument("--only", choices=["large", "small"], default=None, help="run one case")
+    parser.add_argument(
+        "--only", choices=["large", "small", "many"], default=None, help="run one case"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/save_load.json"))
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="shardpoint-bench-", dir=args.dir))
     try:
         if args.quick:
-            cases = {"large": large_state(4, 1024 * 1024), "small": small_state(500)}
+            cases = {
+                "large": large_state(4, 1024 * 1024),
+                "small": small_state(500),
+                "many": many_state(10_000),
+            }
         else:
-            makers = {"large (48 x 32 MB fp32)": large_state, "small (10,000 tensors)": small_state}
+            makers = {
+                "large (48 x 32 MB fp32)": large_state,
+                "small (10,000 tensors)": small_state,
+                "many (100,000 tensors)": many_state,
+            }
             cases = {k: make() for k, make in makers.items() if k.startswith(args.only or "")}
         results = {
             "machine": {
