@@ -130,7 +130,7 @@ def v2_case(name: str, ranks: int, params: int) -> dict[str, float]:
     assert coord is not None
     offsets, local = sharding.box(shape, coord)
     mine = {n: chunk_for(n, i, 1, offsets, local) for i, n in enumerate(shardings)}
-    fragment = fragment_json(1, mine)
+    fragment = fragment_json(1, mine, {}, [])
     start = time.perf_counter()
     parsed = parse_index(raw, "index.json")
     parsed.fragments[1] = (len(fragment), digest_of(fragment))
@@ -139,7 +139,7 @@ def v2_case(name: str, ranks: int, params: int) -> dict[str, float]:
     for n, s in parsed.shardings.items():
         for c in s.overlapping(parsed.entries[n].shape, offsets, hi):
             writers.add(s.mesh.rank_at(c))
-    chunks = parse_fragment(fragment, fragment_file(1), 1, parsed)
+    chunks = parse_fragment(fragment, fragment_file(1), 1, parsed).chunks
     out["load_plan_s"] = time.perf_counter() - start
     assert writers == {1} and len(chunks) == params
     out["fragment_bytes"] = len(fragment)

@@ -279,3 +279,41 @@ def test_a_fragment_that_lies_about_a_chunk_is_refused(saved_on_4, tmp_path):
     with pytest.raises(CorruptCheckpointError, match="rank00001.chunks.json.*not the one rank 1"):
         shardpoint.load(state, ckpt)
     assert not shardpoint.verify(ckpt).ok
+
+
+def _save_rng(rank: int, world: int, path: str) -> None:
+    torch.manual_seed(1000 + rank)
+    torch.rand(3)  # move the stream on from the seed
+    shardpoint.save(shardpoint.TrainState(step=5), path)
+    torch.save(torch.rand(4), f"{path}-draw{rank}.pt")  # what a resumed rank must draw next
+
+
+def _restore_rng(rank: int, world: int, path: str) -> None:
+    torch.manual_seed(0)  # a fresh process's stream
+    state = shardpoint.TrainState()
+    shardpoint.load(state, path)
+    assert state.step == 5
+    assert torch.equal(torch.rand(4), torch.load(f"{path}-draw{rank}.pt")), rank
+
+
+def test_each_ranks_rng_streams_live_in_its_fragment_not_in_the_index(tmp_path):
+    """TrainState's RNG streams (a set per rank, tensors included) go to the rank's
+    fragment: the index holds one small reference per rank, and every rank gets its
+    own streams back."""
+    path = tmp_path / "rng"
+    run_ranks(4, _save_rng, str(path))
+    doc = json.loads((path / INDEX_NAME).read_text())
+    rng = dict(next(v for k, v in doc["tree"]["dict"] if k == "rng")["dict"])
+    assert rng == {r: {"in_fragment": [r, f"rng.{r}"]} for r in range(4)}
+    assert not any(name.startswith("rng.") for name in doc["tensors"])
+    assert len(json.dumps(doc)) < 1_000 + 4 * 200  # ~150 bytes per rank, not ~1 KB
+    for rank in range(4):
+        fragment = json.loads((path / fragment_file(rank)).read_text())
+        assert list(fragment["values"]) == [f"rng.{rank}"]
+        assert fragment["tensors"] and all(
+            n.startswith(f"rng.{rank}.") for n in fragment["tensors"]
+        )
+    run_ranks(4, _restore_rng, str(path))
+    with shardpoint.open(path) as reader:  # the whole state, every rank's streams included
+        assert sorted(reader.state()["rng"]) == [0, 1, 2, 3]
+    assert shardpoint.verify(path).ok

@@ -305,6 +305,17 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "per-rank values in the index",
+        "the index does not grow by a value per rank (format version 2)",
+        "src/shardpoint/tree.py",
+        "            if k == rank:\n                flat.rank_values[at] = node",
+        "            if False:\n                flat.rank_values[at] = node",
+        (
+            "tests/test_format_v2.py::"
+            "test_each_ranks_rng_streams_live_in_its_fragment_not_in_the_index",
+        ),
+    ),
+    Mutation(
         "remote read first",
         "a replaced node alone reads from the remote",
         "src/shardpoint/training/manager.py",

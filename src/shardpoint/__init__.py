@@ -31,7 +31,7 @@ from .training.options import (
 )
 from .training.retention import RetentionPolicy
 from .training.train_state import TrainState
-from .tree import Stateful
+from .tree import PerRank, Stateful
 from .verify import FileReport, VerifyReport, verify
 from .version import __version__
 
@@ -56,6 +56,7 @@ __all__ = [
     "IOOptions",
     "IncompleteCheckpointError",
     "MemoryTierOptions",
+    "PerRank",
     "RemoteTier",
     "ResumableLoader",
     "ResumableSampler",

@@ -15,6 +15,7 @@ from .format.index import (
     INDEX_NAME,
     MARKER_NAME,
     Chunk,
+    Fragment,
     Index,
     TensorEntry,
     check_marker,
@@ -38,7 +39,7 @@ class CommittedCheckpoint:
     index: Index
     _headers: dict[str, Header] = field(default_factory=dict)
     chunks_by_file: dict[str, list[tuple[TensorEntry, Chunk]]] = field(default_factory=dict)
-    _fragments: dict[int, dict[str, Chunk]] = field(default_factory=dict)
+    _fragments: dict[int, Fragment] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for entry in self.index.entries.values():
@@ -68,7 +69,22 @@ class CommittedCheckpoint:
             out.append(chunk)
         return out
 
+    def fragment_value(self, rank: int, path: str) -> Any:
+        """The encoded value rank ``rank`` kept in its fragment at ``path``; the tensor
+        entries of its fragment join the index from then on."""
+        values = self._read_fragment(rank).values
+        if path not in values:
+            raise CorruptCheckpointError(
+                f"{self.storage.location(fragment_file(rank))}: has no value at {path!r}, "
+                f"which {INDEX_NAME} says it holds; {_DAMAGED}"
+            )
+        return values[path]
+
     def fragment(self, rank: int) -> dict[str, Chunk]:
+        """Rank ``rank``'s chunks of sharded entries (its fragment, read once)."""
+        return self._read_fragment(rank).chunks
+
+    def _read_fragment(self, rank: int) -> Fragment:
         """Rank ``rank``'s fragment, read once and checked against the index's checksum."""
         if rank not in self._fragments:
             name = fragment_file(rank)
@@ -78,15 +94,17 @@ class CommittedCheckpoint:
             if recorded is None or raw is None or (len(raw), checksum(raw)) != recorded:
                 state = "missing" if raw is None else "not the one the index committed"
                 raise CorruptCheckpointError(f"{where}: the chunk fragment is {state}; {_DAMAGED}")
-            chunks = parse_fragment(raw, where, rank, self.index)
-            for entry_name, c in chunks.items():
+            fragment = parse_fragment(raw, where, rank, self.index)
+            self.index.entries.update(fragment.entries)
+            own = [(e.name, e.chunks[0]) for e in fragment.entries.values()]
+            for entry_name, c in [*fragment.chunks.items(), *own]:
                 self.chunks_by_file.setdefault(c.file, []).append(
                     (self.index.entries[entry_name], c)
                 )
                 header = self._headers.get(c.file)
                 if header is not None:  # parsed before this fragment was read
                     self._check_slot(header, self.index.entries[entry_name], c)
-            self._fragments[rank] = chunks
+            self._fragments[rank] = fragment
         return self._fragments[rank]
 
     def read_every_fragment(self) -> None:

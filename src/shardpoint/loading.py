@@ -69,7 +69,7 @@ def load(
     """
     # Files are checked as they are read: under torch.distributed a rank reads only some.
     ckpt = open_committed(path, storage_options, every_file=False)
-    m = match(state, ckpt.index.tree)
+    m = match(state, ckpt.index.tree, ckpt.fragment_value)
     problems = []
     if strict and m.missing:
         problems.append(f"missing from the checkpoint: {_some(m.missing)}")

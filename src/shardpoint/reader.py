@@ -80,11 +80,12 @@ class CheckpointReader:
         """The whole saved state as Python values; with ``tensors=False`` each tensor is
         replaced by its ``TensorEntry`` and nothing but the index is read."""
         if not tensors:
-            return decode(self._ckpt.index.tree, self.entry)
+            return decode(self._ckpt.index.tree, self.entry, self._ckpt.fragment_value)
         plan = ReadPlan(self._ckpt)
-        loaded = {name: plan.fresh(name) for name in self.keys()}  # tied names share a tensor
+        loaded = {name: plan.fresh(name) for name in self._ckpt.index.entries}
         plan.run(threads=1, verify=True, direct=False)
-        return decode(self._ckpt.index.tree, loaded.__getitem__)
+        loaded |= {a: loaded[t] for a, t in self._ckpt.index.aliases.items()}  # tied: one tensor
+        return decode(self._ckpt.index.tree, loaded.__getitem__, self._ckpt.fragment_value)
 
     def _read_box(
         self, entry: TensorEntry, box: list[tuple[int, int]], verify: bool

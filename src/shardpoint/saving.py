@@ -172,6 +172,9 @@ class SavePlan:
     group: Any = None  # the process group of the save's collectives (None: default)
     commit: Commit | None = None  # held by the rank that commits this directory
     job: _JobPlan | None = None  # the agreed plan (on rank 0: the sharded entries too)
+    # This rank's own values (``tree.PerRank``) and the tensors in them: its fragment's.
+    rank_values: dict[str, Any] = field(default_factory=dict)
+    rank_tensors: set[str] = field(default_factory=set)
 
     @property
     def sharded_names(self) -> set[str]:
@@ -269,10 +272,12 @@ def plan_save(
     commit_: Commit | None = None
     own = None
     sharded: list[Any] = []
+    flat = None
     try:
-        flat = flatten(state)
+        per_rank = dist.is_distributed() and not dist.in_solo()
+        flat = flatten(state, rank=me if per_rank else None)
         tree_here = flat.tree
-        holdings, aliases, local = _holdings(flat.tensors, to_host)
+        holdings, aliases, local = _holdings(flat.tensors, to_host, flat.rank_tensors)
         # One process has nothing to agree on: its plan costs less than a digest.
         own = _structure_digest(holdings, aliases) if dist.is_distributed() else None
         sharded = _sharded_entries(holdings)
@@ -330,6 +335,8 @@ def plan_save(
         group,
         commit_,
         cached,
+        flat.rank_values if flat is not None else {},
+        flat.rank_tensors if flat is not None else set(),
     )
 
 
@@ -520,23 +527,31 @@ def _commit(
 
 
 def _write_fragment(plan: SavePlan, result: WriteResult) -> WriteResult:
-    """Move this rank's chunks of sharded entries out of what goes to rank 0 into its
-    fragment file (format version 2): rank 0's index then describes those entries once,
-    whatever the number of ranks."""
+    """Move this rank's chunks of sharded entries, and its own values (``PerRank``)
+    with their tensors, out of what goes to rank 0 into its fragment file (format
+    version 2): rank 0's index then grows neither by ranks x sharded tensors nor by a
+    value per rank."""
     names = plan.sharded_names
     sharded = {c.name: c.chunk for c in result.chunks if c.name in names} if names else {}
-    if not sharded:
+    own = [
+        TensorEntry(c.name, c.dtype, c.global_shape, (c.chunk,))
+        for c in result.chunks
+        if c.name in plan.rank_tensors
+    ]
+    if not sharded and not plan.rank_values:
         return result
     name = fragment_file(plan.rank)
     try:
-        data = fragment_json(plan.rank, sharded)
+        data = fragment_json(plan.rank, sharded, plan.rank_values, own)
         plan.storage.write_small_durably(name, data)
     except Exception as exc:
         Commit(plan.storage).abort([*result.files, name], remove_directory=False)
         return WriteResult(error=f"rank {plan.rank}: writing {name}: {exc}")
     return WriteResult(
         files={**result.files, name: len(data)},
-        chunks=[c for c in result.chunks if c.name not in sharded],
+        chunks=[
+            c for c in result.chunks if c.name not in sharded and c.name not in plan.rank_tensors
+        ],
         fragment=(len(data), checksum(data)),
         sharded_files=sorted({c.file for c in sharded.values()}),
     )
@@ -775,12 +790,13 @@ def _data_start_mod(slots: dict[str, TensorSlot], tensors: dict[str, torch.Tenso
 
 
 def _holdings(
-    tensors: dict[str, torch.Tensor], to_host: bool
+    tensors: dict[str, torch.Tensor], to_host: bool, own: set[str]
 ) -> tuple[list[Holding], dict[str, str], dict[str, torch.Tensor]]:
     """What this rank holds of each tensor entry, tied tensors stored once.
 
     Returns the holdings, alias name -> stored name (views of the same memory), and
-    name -> the local bytes as a contiguous (host, with ``to_host``) tensor.
+    name -> the local bytes as a contiguous (host, with ``to_host``) tensor. Tensors
+    named in ``own`` are this rank's alone (never planned among holders).
     """
     world = dist.world_size()
     seen: dict[tuple[Any, ...], str] = {}
@@ -812,7 +828,8 @@ def _holdings(
         if identity is not None:
             seen[identity] = name
         sharding = regular_sharding(t, name, offsets, tuple(part.shape)) if world > 1 else None
-        replicated = sharding is None and world > 1 and may_be_replicated(t)
+        # A tensor of this rank's own value (PerRank) is its alone, whatever its kind.
+        replicated = sharding is None and world > 1 and name not in own and may_be_replicated(t)
         holdings.append(
             Holding(name, dtype, global_shape, offsets, tuple(part.shape), replicated, sharding)
         )

@@ -45,20 +45,49 @@ def _join(path: str, key: object) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
+class PerRank(dict):  # type: ignore[type-arg]
+    """A dict holding this rank's own entry, ``{rank: value}``, which every rank saves
+    for itself (``TrainState``'s RNG streams). Under ``torch.distributed`` the value —
+    its tensors included — goes into the rank's fragment (format version 2) and the
+    index keeps ``{"in_fragment": [rank, path]}``: the index does not grow by a value
+    per rank, and a restoring rank reads only the fragment it restores from."""
+
+
 @dataclass
 class FlatState:
     tree: Any  # JSON-ready encoded tree
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # This rank's ``PerRank`` values by path, and the tensors inside them (its fragment's).
+    rank_values: dict[str, Any] = field(default_factory=dict)
+    rank_tensors: set[str] = field(default_factory=set)
 
 
-def flatten(state: object) -> FlatState:
-    """Encode ``state`` to a JSON tree; tensors are collected by dotted path name."""
+def flatten(state: object, *, rank: int | None = None) -> FlatState:
+    """Encode ``state`` to a JSON tree; tensors are collected by dotted path name.
+    With ``rank``, that rank's ``PerRank`` values are set aside for its fragment."""
     flat = FlatState(tree=None)
-    flat.tree = _encode(state, "", flat.tensors)
+    flat.tree = _encode(state, "", flat.tensors, rank, flat)
     return flat
 
 
-def _encode(value: object, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+def _encode(
+    value: object,
+    path: str,
+    tensors: dict[str, torch.Tensor],
+    rank: int | None = None,
+    flat: FlatState | None = None,
+) -> Any:
+    if isinstance(value, PerRank) and rank is not None and flat is not None:
+        entries = []
+        for k, v in value.items():
+            at = _join(path, k)
+            node = _encode(v, at, tensors)
+            if k == rank:
+                flat.rank_values[at] = node
+                flat.rank_tensors.update(tensor_names(node))
+                node = {"in_fragment": [rank, at]}
+            entries.append([_encode_key(k, path), node])
+        return {"dict": entries}
     if isinstance(value, torch.Tensor):
         if path in tensors:
             raise UnsupportedValueError(
@@ -68,18 +97,22 @@ def _encode(value: object, path: str, tensors: dict[str, torch.Tensor]) -> Any:
         tensors[path] = plain(value)
         return {"tensor": path}
     if is_stateful(value):
-        return _encode(value.state_dict(), path, tensors)  # type: ignore[union-attr]
+        return _encode(value.state_dict(), path, tensors, rank, flat)  # type: ignore[union-attr]
     if isinstance(value, dict):
         return {
             "dict": [
-                [_encode_key(k, path), _encode(v, _join(path, k), tensors)]
+                [_encode_key(k, path), _encode(v, _join(path, k), tensors, rank, flat)]
                 for k, v in value.items()
             ]
         }
     if type(value) is list:
-        return {"list": [_encode(v, _join(path, i), tensors) for i, v in enumerate(value)]}
+        return {
+            "list": [_encode(v, _join(path, i), tensors, rank, flat) for i, v in enumerate(value)]
+        }
     if type(value) is tuple:
-        return {"tuple": [_encode(v, _join(path, i), tensors) for i, v in enumerate(value)]}
+        return {
+            "tuple": [_encode(v, _join(path, i), tensors, rank, flat) for i, v in enumerate(value)]
+        }
     return _encode_scalar(value, path)
 
 
@@ -115,17 +148,30 @@ def _encode_scalar(value: object, path: str) -> Any:
     )
 
 
-def decode(node: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
-    """Rebuild the Python value of an encoded tree; ``tensor(name)`` supplies tensors."""
+# Supplies the encoded value a rank kept in its fragment: (rank, path) -> tree node.
+Resolver = Callable[[int, str], Any]
+
+
+def _no_fragment(rank: int, path: str) -> Any:
+    raise ValueError(f"the value at {path!r} is in rank {rank}'s fragment, which is not read here")
+
+
+def decode(
+    node: Any, tensor: Callable[[str], torch.Tensor], resolve: Resolver = _no_fragment
+) -> Any:
+    """Rebuild the Python value of an encoded tree; ``tensor(name)`` supplies tensors,
+    ``resolve(rank, path)`` the values kept in fragments."""
     if not isinstance(node, dict):
         return node
     ((tag, body),) = node.items()
     if tag == "dict":
-        return {_decode_key(k): decode(v, tensor) for k, v in body}
+        return {_decode_key(k): decode(v, tensor, resolve) for k, v in body}
     if tag == "list":
-        return [decode(v, tensor) for v in body]
+        return [decode(v, tensor, resolve) for v in body]
     if tag == "tuple":
-        return tuple(decode(v, tensor) for v in body)
+        return tuple(decode(v, tensor, resolve) for v in body)
+    if tag == "in_fragment":
+        return decode(resolve(*fragment_ref(body)), tensor, resolve)
     if tag == "tensor":
         return tensor(body)
     if tag == "float":
@@ -133,6 +179,15 @@ def decode(node: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
     if tag == "bytes":
         return base64.b64decode(body)
     raise ValueError(f"unknown tree tag {tag!r}")
+
+
+def fragment_ref(body: Any) -> tuple[int, str]:
+    """The (rank, path) of an ``{"in_fragment": [rank, path]}`` node."""
+    if type(body) is not list or len(body) != 2 or type(body[0]) is not int:
+        raise ValueError(f"malformed fragment reference {body!r:.100}")
+    if type(body[1]) is not str:
+        raise ValueError(f"malformed fragment reference {body!r:.100}")
+    return body[0], body[1]
 
 
 def _decode_key(node: Any) -> Any:
@@ -144,10 +199,15 @@ def _no_tensor_key(name: str) -> torch.Tensor:
 
 
 def tensor_names(node: Any) -> list[str]:
-    """Every tensor entry name referenced by an encoded tree, in tree order."""
+    """Every tensor entry name referenced by an encoded tree, in tree order (not those
+    of values kept in fragments: they are the fragments' entries)."""
     names: list[str] = []
-    decode(node, lambda name: names.append(name))  # type: ignore[func-returns-value]
+    decode(node, lambda name: names.append(name), _skip)  # type: ignore[func-returns-value]
     return names
+
+
+def _skip(rank: int, path: str) -> Any:
+    return None
 
 
 @dataclass
@@ -166,11 +226,13 @@ class LoadMatch:
     finish: Callable[[Callable[[str], torch.Tensor]], Any] = lambda tensor: None
     # Called in reverse order if the load fails: each gives a Stateful its old state back.
     undo: list[Callable[[], None]] = field(default_factory=list)
+    resolve: Resolver = _no_fragment  # values kept in fragments, read when matched
 
 
-def match(target: object, node: Any) -> LoadMatch:
-    """Pair the live ``target`` state with a stored tree, without reading any tensor."""
-    m = LoadMatch()
+def match(target: object, node: Any, resolve: Resolver = _no_fragment) -> LoadMatch:
+    """Pair the live ``target`` state with a stored tree, without reading any tensor;
+    a value kept in a fragment is read (``resolve``) only where it is matched."""
+    m = LoadMatch(resolve=resolve)
     m.finish = _match(target, node, "", m, in_stateful=False)
     return m
 
@@ -195,6 +257,9 @@ def _match(
     rel: tuple[object, ...] = (),
 ) -> Finisher:
     tag = next(iter(node)) if isinstance(node, dict) else None
+    if tag == "in_fragment":
+        node = m.resolve(*fragment_ref(node["in_fragment"]))
+        tag = next(iter(node)) if isinstance(node, dict) else None
 
     if tag == "tensor":
         name = node["tensor"]
@@ -322,8 +387,23 @@ def _copy_containers(value: Any) -> Any:
 
 
 def _materialize(node: Any, m: LoadMatch) -> Finisher:
+    node = _resolved(node, m.resolve)
     m.materialize.extend(tensor_names(node))
     return lambda tensor: decode(node, tensor)
+
+
+def _resolved(node: Any, resolve: Resolver) -> Any:
+    """``node`` with every fragment reference replaced by the value it refers to."""
+    if not isinstance(node, dict):
+        return node
+    ((tag, body),) = node.items()
+    if tag == "in_fragment":
+        return _resolved(resolve(*fragment_ref(body)), resolve)
+    if tag == "dict":
+        return {"dict": [[k, _resolved(v, resolve)] for k, v in body]}
+    if tag in ("list", "tuple"):
+        return {tag: [_resolved(v, resolve) for v in body]}
+    return node
 
 
 def merge_trees(trees: list[Any], path: str = "") -> Any:

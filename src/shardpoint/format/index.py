@@ -132,7 +132,10 @@ class Index:
         return tree_codec.tensor_names(self.tree)
 
     def to_json(self) -> bytes:
-        """The index as version 2 JSON (docs/format.md)."""
+        """The index as JSON of its ``format_version`` (docs/format.md): an index read
+        from a version 1 file writes back as version 1."""
+        if self.format_version < 2 and (self.shardings or self.fragments):
+            raise ValueError("shardings and fragments need format version 2")
         meshes: dict[Mesh, int] = {}
         tensors: dict[str, Any] = {}
         for name in self.names():
@@ -150,7 +153,7 @@ class Index:
             tensors[name] = spec
         doc = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "library_version": self.library_version,
             "created": self.created,
             "checksum_algorithm": CHECKSUM_ALGORITHM,
@@ -188,14 +191,29 @@ def _ranks_json(ranks: tuple[int, ...]) -> Any:
     return list(ranks)
 
 
-def fragment_json(rank: int, chunks: dict[str, Chunk]) -> bytes:
-    """A rank's fragment: the chunks it wrote of entries described by a sharding."""
+def fragment_json(
+    rank: int, chunks: dict[str, Chunk], values: dict[str, Any], entries: list[TensorEntry]
+) -> bytes:
+    """A rank's fragment: the chunks it wrote of entries described by a sharding, its
+    own values (``tree.PerRank``) by path, and the tensor entries inside them."""
     doc = {
         "format": FRAGMENT_FORMAT,
         "rank": rank,
         "chunks": {name: chunk_json(c) for name, c in chunks.items()},
+        "values": values,
+        "tensors": {
+            e.name: {"dtype": e.dtype, "shape": list(e.shape), "chunk": chunk_json(e.chunks[0])}
+            for e in entries
+        },
     }
     return _dumps(doc)
+
+
+@dataclass
+class Fragment:
+    chunks: dict[str, Chunk]  # of entries described by a sharding
+    values: dict[str, Any]  # the rank's own values, by path
+    entries: dict[str, TensorEntry]  # the tensors inside those values
 
 
 def check_file_name(name: object, where: str) -> str:
@@ -378,17 +396,36 @@ def _parse_sharding(
     return sharding
 
 
-def parse_fragment(raw: bytes, where: str, rank: int, index: Index) -> dict[str, Chunk]:
+def parse_fragment(raw: bytes, where: str, rank: int, index: Index) -> Fragment:
     """Strictly parse rank ``rank``'s fragment: every chunk must be the one the sharding
-    of its entry gives that rank, and lie inside a listed file."""
+    of its entry gives that rank, every tensor entry a whole tensor of a new name, and
+    everything inside a listed file."""
     try:
-        doc = strict_json(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        doc = strict_json(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _corrupt(where, f"not valid UTF-8 JSON ({exc})") from None
     if type(doc) is not dict or doc.get("format") != FRAGMENT_FORMAT or doc.get("rank") != rank:
         raise _corrupt(where, f"not the chunk fragment of rank {rank}")
+    values = doc.get("values")
+    if type(values) is not dict or lone_surrogate(text, doc) is not None:
+        raise _corrupt(where, "its values are not a JSON object of valid Unicode")
     chunks: dict[str, Chunk] = {}
+    entries: dict[str, TensorEntry] = {}
     try:
+        for name, spec in doc["tensors"].items():
+            dtype = spec["dtype"]
+            if type(dtype) is not str or dtype not in DTYPES:
+                raise _corrupt(where, f"entry {name!r} has unknown dtype {dtype!r:.200}")
+            shape = _ints(spec["shape"], "shape", name, where)
+            if tensor_nbytes(dtype, shape) is None:
+                raise _corrupt(where, f"shape {list(shape)} of {name!r} is {TOO_LARGE}")
+            if name in index.entries or name in index.aliases:
+                raise _corrupt(where, f"entry {name!r} is also in {INDEX_NAME}")
+            chunk = _parse_chunk(spec["chunk"], name, dtype, shape, index.files, where)
+            if chunk.shape != shape:
+                raise _corrupt(where, f"the chunk of {name!r} is not the whole tensor")
+            entries[name] = TensorEntry(name, dtype, shape, (chunk,))
         for name, spec in doc["chunks"].items():
             sharding = index.shardings.get(name)
             if sharding is None:
@@ -407,7 +444,7 @@ def parse_fragment(raw: bytes, where: str, rank: int, index: Index) -> dict[str,
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise _corrupt(where, f"malformed fragment ({type(exc).__name__}: {exc})") from None
-    return chunks
+    return Fragment(chunks, values, entries)
 
 
 def _parse_chunk(

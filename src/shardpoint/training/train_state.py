@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .. import dist
-from ..tree import is_stateful
+from ..tree import PerRank, is_stateful
 from .rng import capture_rng, reseed_streams, restore_rng
 
 
@@ -95,8 +95,9 @@ class TrainState:
         if self.extra:
             sd["extra"] = self.extra
         if self.capture_rng_state:
-            # Keyed by rank: every rank has streams of its own, and the saved tree holds all.
-            sd["rng"] = {dist.rank(): capture_rng()}
+            # Keyed by rank: every rank has streams of its own, kept in its fragment
+            # (PerRank), so the index does not grow by a set of streams per rank.
+            sd["rng"] = PerRank({dist.rank(): capture_rng()})
         return sd
 
     def stored_keys_to_load(
