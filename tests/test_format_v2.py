@@ -316,4 +316,5 @@ def test_each_ranks_rng_streams_live_in_its_fragment_not_in_the_index(tmp_path):
     run_ranks(4, _restore_rng, str(path))
     with shardpoint.open(path) as reader:  # the whole state, every rank's streams included
         assert sorted(reader.state()["rng"]) == [0, 1, 2, 3]
+        assert {f"rng.{r}.torch" for r in range(4)} <= set(reader.keys())
     assert shardpoint.verify(path).ok

@@ -43,8 +43,11 @@ class CheckpointReader:
         }
 
     def keys(self) -> list[str]:
-        """Tensor entry names in state order (tied tensors appear under each name)."""
-        return self._ckpt.index.names()
+        """Tensor entry names in state order (tied tensors appear under each name), then
+        the tensors of the ranks' own values (``PerRank``, kept in their fragments)."""
+        names = self._ckpt.index.names()
+        listed = set(names)
+        return names + [n for n in self._ckpt.index.entries if n not in listed]
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and (
