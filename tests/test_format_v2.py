@@ -49,6 +49,33 @@ def test_a_version_1_checkpoint_loads_verifies_and_inspects_unchanged(tmp_path):
         assert len(reader.entry("sharded").chunks) == 2
 
 
+GOLDEN_V2 = Path(__file__).parent / "data" / "v2-two-ranks"
+
+
+def test_the_version_2_golden_checkpoint_reads_as_written(tmp_path):
+    """Written on 2 ranks by this release: a Shard(0) DTensor (a sharding and two
+    fragments), a replicated tensor (listed), and a PerRank value holding a tensor.
+    Future readers must keep reading it; the files are checked in."""
+    ckpt = tmp_path / "v2"
+    shutil.copytree(GOLDEN_V2, ckpt)
+    doc = json.loads((ckpt / INDEX_NAME).read_text())
+    assert doc["format_version"] == 2
+    assert doc["tensors"]["sharded"]["sharding"] == {"mesh": 0, "dims": [0]}
+    with shardpoint.open(ckpt) as reader:
+        state = reader.state()
+    sharded, replicated = _golden_values()
+    assert torch.equal(state["sharded"], sharded) and torch.equal(state["replicated"], replicated)
+    assert state["step"] == 12 and state["name"] == "golden"
+    assert sorted(state["own"]) == [0, 1]
+    for rank in (0, 1):
+        assert state["own"][rank]["seen"] == 100 + rank
+        assert torch.equal(state["own"][rank]["mask"], torch.full((2,), rank, dtype=torch.uint8))
+    live = {"sharded": torch.zeros(7, 3), "replicated": torch.zeros(5, dtype=torch.int64)}
+    shardpoint.load(live, ckpt, strict=False)
+    assert torch.equal(live["sharded"], sharded)
+    assert shardpoint.verify(ckpt).ok
+
+
 def _global(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     g = torch.Generator().manual_seed(sum(map(ord, name)))
     return torch.randn(shape, generator=g)
