@@ -316,6 +316,17 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "reads not shared",
+        "replicas read each byte from storage once (share_reads)",
+        "src/shardpoint/shared_reads.py",
+        "    shared = sorted(key for key, ranks in holders.items() if len(ranks) > 1)",
+        "    shared = []",
+        (
+            "tests/test_shared_reads.py::"
+            "test_a_two_replica_two_shard_load_reads_each_byte_from_storage_once",
+        ),
+    ),
+    Mutation(
         "remote read first",
         "a replaced node alone reads from the remote",
         "src/shardpoint/training/manager.py",

@@ -24,16 +24,18 @@ from typing import Any
 
 import torch
 
+from . import dist
 from .checkpoint_dir import CommittedCheckpoint, open_committed
 from .errors import CorruptCheckpointError, StateMismatchError
 from .format.index import Chunk, TensorEntry, checksum
 from .format.safetensors import DTYPES
 from .gc_pause import gc_paused
 from .saving import DEFAULT_THREADS
+from .shared_reads import agree, exchange, join_failed, plan_shared_reads
 from .storage.io_types import Segment
 from .tensor_kinds import local_part
 from .tensor_memory import flat_bytes, plain
-from .tree import match
+from .tree import LoadMatch, match
 
 
 @gc_paused()
@@ -46,6 +48,7 @@ def load(
     threads: int = DEFAULT_THREADS,
     storage_options: dict[str, Any] | None = None,
     atomic: bool = True,
+    share_reads: bool = False,
 ) -> None:
     """Load the checkpoint at ``path`` (a directory or an object-store URL) into
     ``state`` in place, all or nothing.
@@ -61,12 +64,62 @@ def load(
     docs/benchmarks.md); ``atomic=False`` skips it, and a failed load then leaves
     those tensors partly overwritten.
 
+    ``share_reads`` (under ``torch.distributed``; every rank must call ``load`` with
+    it): bytes that several ranks need — DDP parameters, HSDP replicas of a shard — are
+    read from storage by one of them and sent to the others (``shared_reads.py``).
+
     >>> import torch, shardpoint
     >>> state = {"w": torch.zeros(2), "step": 0}
     >>> shardpoint.load(state, "/tmp/sp-doc/ckpt")
     >>> state["step"], state["w"].tolist()
     (7, [1.0, 1.0])
     """
+    share = share_reads and dist.is_distributed() and not dist.in_solo()
+    where = str(path)
+    try:
+        ckpt, m, reads, loaded = _prepare(state, path, storage_options, strict)
+        where = ckpt.where
+    except Exception as exc:
+        if not share:
+            raise
+        join_failed(exc, where)  # every rank learns, every rank raises
+        raise
+    shared = plan_shared_reads(reads, None, where, None) if share else None
+    try:
+        undo = reads.run(threads=threads, verify=verify, atomic=atomic)
+    except Exception as exc:
+        if shared is None:
+            raise
+        agree(exc, where, None)  # every rank learns, every rank raises
+        raise
+    try:
+        if shared is not None:
+            agree(None, where, None)  # every rank's reads are verified: exchange
+            exchange(shared, undo, None)
+        m.finish(lambda name: loaded[name])
+    except BaseException:
+        if not atomic:
+            raise
+        undo.restore()
+        for give_back in reversed(m.undo):
+            try:
+                give_back()
+            except Exception as exc:  # the original error is the one to raise
+                warnings.warn(
+                    f"{ckpt.where}: the load failed and a Stateful could not take its "
+                    f"earlier state back ({exc}); rebuild it before going on",
+                    stacklevel=2,
+                )
+        raise
+
+
+def _prepare(
+    state: Any,
+    path: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None,
+    strict: bool,
+) -> tuple[CommittedCheckpoint, LoadMatch, ReadPlan, dict[str, torch.Tensor]]:
+    """Open, match and check everything that needs no tensor byte; plan the reads."""
     # Files are checked as they are read: under torch.distributed a rank reads only some.
     ckpt = open_committed(path, storage_options, every_file=False)
     m = match(state, ckpt.index.tree, ckpt.fragment_value)
@@ -91,28 +144,11 @@ def load(
             + ". Build the state with the same model/optimizer configuration, or pass "
             "strict=False to skip missing/unexpected keys."
         )
-
     reads = ReadPlan(ckpt)
     for name, dest in m.destinations.items():
         reads.into(name, dest, live=True)
     loaded = {name: reads.fresh(name) for name in m.materialize}
-    undo = reads.run(threads=threads, verify=verify, atomic=atomic)
-    try:
-        m.finish(lambda name: loaded[name])
-    except BaseException:
-        if not atomic:
-            raise
-        undo.restore()
-        for give_back in reversed(m.undo):
-            try:
-                give_back()
-            except Exception as exc:  # the original error is the one to raise
-                warnings.warn(
-                    f"{ckpt.where}: the load failed and a Stateful could not take its "
-                    f"earlier state back ({exc}); rebuild it before going on",
-                    stacklevel=2,
-                )
-        raise
+    return ckpt, m, reads, loaded
 
 
 def _some(keys: list[str], limit: int = 10) -> str:

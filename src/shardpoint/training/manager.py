@@ -28,6 +28,7 @@ from ..errors import (
 )
 from ..loading import load
 from ..saving import SaveInfo, SaveOptions, run_save
+from ..shared_reads import join_failed
 from ..storage import CheckpointStorage, is_url, open_storage
 from ..storage.layered import LayeredCheckpoint
 from .memory_tier import MemoryTier
@@ -342,8 +343,16 @@ class CheckpointManager:
         view = LayeredCheckpoint(copies) if copies else None
         try:
             if view is None:
-                raise CorruptCheckpointError(f"{path}: no copy of step {step} on this node")
-            load(state, view, verify=self.io.verify == "full", threads=self.io.threads)
+                missing = CorruptCheckpointError(f"{path}: no copy of step {step} on this node")
+                join_failed(missing, path)  # the others are in the load's collective
+            # Every rank loads this step: bytes several ranks need are read once.
+            load(
+                state,
+                view,
+                verify=self.io.verify == "full",
+                threads=self.io.threads,
+                share_reads=True,
+            )
         except StateMismatchError as exc:
             mismatch, error = exc, f"mismatch: {exc}"
         except CheckpointError as exc:  # corrupt, incomplete, unreadable
