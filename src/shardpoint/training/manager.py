@@ -341,17 +341,22 @@ class CheckpointManager:
         mismatch: StateMismatchError | None = None
         error = None
         view = LayeredCheckpoint(copies) if copies else None
+        # When bytes may come from the object store, those several ranks need are read
+        # once and sent between ranks; from local disks alone each rank reads its own
+        # (cheaper here: docs/benchmarks.md). Decided from agreed facts only.
+        share = use_remote and self.remote is not None
         try:
             if view is None:
                 missing = CorruptCheckpointError(f"{path}: no copy of step {step} on this node")
-                join_failed(missing, path)  # the others are in the load's collective
-            # Every rank loads this step: bytes several ranks need are read once.
+                if share:  # the others are in the load's collective
+                    join_failed(missing, path)
+                raise missing
             load(
                 state,
                 view,
                 verify=self.io.verify == "full",
                 threads=self.io.threads,
-                share_reads=True,
+                share_reads=share,
             )
         except StateMismatchError as exc:
             mismatch, error = exc, f"mismatch: {exc}"
