@@ -137,7 +137,9 @@ MUTATIONS = [
         "pickle on a load path",
         "no pickle",
         "src/shardpoint/tree.py",
+        '    ``resolve(rank, path)`` the values kept in fragments."""\n'
         "    if not isinstance(node, dict):\n        return node\n",
+        '    ``resolve(rank, path)`` the values kept in fragments."""\n'
         "    if not isinstance(node, dict):\n        return node\n"
         "    from pickle import loads\n\n"
         "    if isinstance(node, bytes):\n"
