@@ -15,7 +15,7 @@ by each rank as before.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -23,8 +23,11 @@ from . import dist
 from .errors import CheckpointError
 from .tensor_memory import flat_bytes
 
-if TYPE_CHECKING:
-    from .loading import ReadPlan, Undo, _Region
+# The read plan, its regions and the undo copy are loading.py's (ReadPlan, Region,
+# Undo); typed Any here so that this module does not import the one that uses it.
+ReadPlan = Any
+Region = Any
+Undo = Any
 
 
 @dataclass
@@ -32,7 +35,7 @@ class SharedReads:
     """This rank's part of the exchange, in the agreed order (its index is the tag)."""
 
     sends: list[tuple[int, torch.Tensor, list[int]]] = field(default_factory=list)
-    receives: list[tuple[int, _Region, int]] = field(default_factory=list)
+    receives: list[tuple[int, Region, int]] = field(default_factory=list)
     read_bytes: int = 0  # of the shared regions, what this rank reads itself
 
 
@@ -63,7 +66,7 @@ def plan_shared_reads(
     """Agree with every rank on who reads each region several ranks need, and take the
     regions other ranks read out of ``reads``. Raises on every rank if any rank failed
     to prepare its load (``error``, and no ``reads``)."""
-    mine: dict[str, _Region] = {}
+    mine: dict[str, Region] = {}
     if reads is not None:
         for name, regions in reads.regions.items():
             for r in regions:
