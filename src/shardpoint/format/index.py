@@ -294,12 +294,7 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
         if set(spec) == {"alias_of"}:
             aliases[name] = spec["alias_of"]
             continue
-        dtype = spec["dtype"]
-        if type(dtype) is not str or dtype not in DTYPES:
-            raise _corrupt(where, f"entry {name!r} has unknown dtype {dtype!r:.200}")
-        shape = _ints(spec["shape"], "shape", name, where)
-        if tensor_nbytes(dtype, shape) is None:
-            raise _corrupt(where, f"shape {list(shape)} of {name!r} is {TOO_LARGE}")
+        dtype, shape = _dtype_and_shape(spec, name, where)
         if version >= 2 and "sharding" in spec:
             shardings[name] = _parse_sharding(spec["sharding"], name, shape, meshes, where)
             entries[name] = TensorEntry(name, dtype, shape, ())  # chunks: in the fragments
@@ -340,6 +335,17 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
         shardings=shardings,
         fragments=fragments,
     )
+
+
+def _dtype_and_shape(spec: dict[str, Any], name: str, where: str) -> tuple[str, tuple[int, ...]]:
+    """An entry's dtype and global shape, checked (index entries and fragment tensors)."""
+    dtype = spec["dtype"]
+    if type(dtype) is not str or dtype not in DTYPES:
+        raise _corrupt(where, f"entry {name!r} has unknown dtype {dtype!r:.200}")
+    shape = _ints(spec["shape"], "shape", name, where)
+    if tensor_nbytes(dtype, shape) is None:
+        raise _corrupt(where, f"shape {list(shape)} of {name!r} is {TOO_LARGE}")
+    return dtype, shape
 
 
 def _parse_meshes(specs: list[Any], world_size: int, where: str) -> list[Mesh]:
@@ -414,12 +420,7 @@ def parse_fragment(raw: bytes, where: str, rank: int, index: Index) -> Fragment:
     entries: dict[str, TensorEntry] = {}
     try:
         for name, spec in doc["tensors"].items():
-            dtype = spec["dtype"]
-            if type(dtype) is not str or dtype not in DTYPES:
-                raise _corrupt(where, f"entry {name!r} has unknown dtype {dtype!r:.200}")
-            shape = _ints(spec["shape"], "shape", name, where)
-            if tensor_nbytes(dtype, shape) is None:
-                raise _corrupt(where, f"shape {list(shape)} of {name!r} is {TOO_LARGE}")
+            dtype, shape = _dtype_and_shape(spec, name, where)
             if name in index.entries or name in index.aliases:
                 raise _corrupt(where, f"entry {name!r} is also in {INDEX_NAME}")
             chunk = _parse_chunk(spec["chunk"], name, dtype, shape, index.files, where)
