@@ -208,3 +208,106 @@ def test_retention_makes_the_marker_deletion_durable_before_deleting_anything_el
     assert len(unlinks) >= 3, mine  # marker, index, shard
     first_other = mine.index(unlinks[1])
     assert ("fsync", str(old)) in mine[mine.index(unlinks[0]) : first_other], mine
+
+
+# ---- rng: the CUDA branches, on a CPU-only machine ----------------------------------------
+
+
+class _FakeCuda:
+    """torch.cuda's RNG functions for ``devices`` devices, recording every call; the CI
+    machines have no GPU, and a skipped test fails this suite."""
+
+    def __init__(self, monkeypatch, devices: int, initialized: bool) -> None:
+        self.calls: list[tuple] = []
+        self.states = {i: torch.tensor([i + 1, 7], dtype=torch.uint8) for i in range(devices)}
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: devices > 0)
+        monkeypatch.setattr(cuda, "is_initialized", lambda: initialized)
+        monkeypatch.setattr(cuda, "device_count", lambda: devices)
+        monkeypatch.setattr(cuda, "get_rng_state", self._get)
+        monkeypatch.setattr(cuda, "set_rng_state", self._set)
+        monkeypatch.setattr(cuda, "manual_seed_all", lambda s: self.calls.append(("seed", s)))
+
+    def _get(self, i=0):
+        self.calls.append(("get", i))
+        return self.states[i].clone()
+
+    def _set(self, state, i=0):
+        self.calls.append(("set", i, state.tolist()))
+
+
+def test_rng_capture_reads_cuda_state_only_once_cuda_is_initialised(monkeypatch):
+    from shardpoint.training.rng import capture_rng
+
+    fake = _FakeCuda(monkeypatch, devices=2, initialized=False)
+    assert "cuda" not in capture_rng() and fake.calls == []  # never initialises CUDA
+    fake = _FakeCuda(monkeypatch, devices=2, initialized=True)
+    state = capture_rng()
+    assert [s.tolist() for s in state["cuda"]] == [[1, 7], [2, 7]]
+
+
+def test_rng_restore_sets_every_cuda_device_and_reseeds_a_new_rank(monkeypatch):
+    from shardpoint.training.rng import capture_rng, reseed_streams, restore_rng
+
+    fake = _FakeCuda(monkeypatch, devices=2, initialized=True)
+    state = capture_rng()
+    fake.calls.clear()
+    restore_rng(state)
+    assert fake.calls == [("set", 0, [1, 7]), ("set", 1, [2, 7])]
+    new = reseed_streams(state, rank=5)
+    assert "cuda" not in new and isinstance(new["cuda_seed"], int)
+    fake.calls.clear()
+    restore_rng(new)
+    assert fake.calls == [("seed", new["cuda_seed"])]
+    fake = _FakeCuda(monkeypatch, devices=1, initialized=True)
+    with pytest.raises(RuntimeError, match="2 CUDA device"):
+        restore_rng(state)  # saved on 2 devices, this process sees 1
+
+
+# ---- data position ---------------------------------------------------------------------------
+
+
+def test_a_rank_outside_the_world_size_is_refused():
+    with pytest.raises(ValueError, match="outside world size"):
+        shardpoint.ResumableSampler(10, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="outside world size"):
+        shardpoint.ResumableSampler(10, rank=-1, world_size=2)
+
+
+def test_an_unshuffled_loader_yields_the_dataset_in_order_and_resumes_mid_epoch():
+    loader = shardpoint.ResumableLoader(list(range(10)), batch_size=3, shuffle=False)
+    batches = iter(loader)
+    assert next(batches).tolist() == [0, 1, 2]
+    resumed = shardpoint.ResumableLoader(list(range(10)), batch_size=3, shuffle=False)
+    resumed.load_state_dict(loader.state_dict())
+    assert [b.tolist() for b in resumed] == [[3, 4, 5], [6, 7, 8], [9]]
+
+
+def test_an_epoch_of_more_than_65536_samples_per_rank_yields_each_sample_once():
+    """The sampler hands out indices in slices of 65536 (never one list of a whole epoch)."""
+    n = 3 * 65536 + 5
+    for world in (1, 2):
+        samplers = [
+            shardpoint.ResumableSampler(n, seed=1, rank=r, world_size=world) for r in range(world)
+        ]
+        seen = [i for s in samplers for i in s]
+        assert len(seen) == len(set(seen)) == n - n % world
+        assert set(seen) == set(samplers[0].order()[: n - n % world].tolist())
+
+
+def test_a_sampler_length_is_what_it_yields_and_zero_once_the_epoch_is_consumed():
+    for cursor in (0, 7, 99, 100):
+        for r in range(3):
+            s = shardpoint.ResumableSampler(100, seed=2, rank=r, world_size=3)
+            s.cursor = cursor
+            assert len(s) == len(list(s)), (cursor, r)
+    fresh = shardpoint.ResumableLoader(list(range(10)), batch_size=3, seed=3)
+    assert len(fresh) == 4 == len(list(fresh))  # batches left, the last one partial
+    # A loop that stops right after the epoch's last batch, saves, and resumes:
+    loader = shardpoint.ResumableLoader(list(range(10)), batch_size=5, seed=3)
+    batches = iter(loader)
+    next(batches), next(batches)
+    resumed = shardpoint.ResumableLoader(list(range(10)), batch_size=5, seed=3)
+    resumed.load_state_dict(loader.state_dict())
+    assert len(resumed) == 0 and len(resumed.sampler) == 0
+    assert list(resumed) == [] and resumed.epoch == 1

@@ -72,6 +72,7 @@ TARGETS: dict[str, Target] = {
         "src/shardpoint/commit.py",
         (
             "tests/test_integrity.py",
+            "tests/test_mutant_kills.py",
             "tests/test_checkpoint_manager.py",
             "tests/test_hostile_files.py",
             "tests/test_crash_consistency.py",
@@ -88,18 +89,24 @@ TARGETS: dict[str, Target] = {
         "src/shardpoint/training/rng.py",
         (
             "tests/test_rng.py",
+            "tests/test_mutant_kills.py",
             "tests/test_resume_training.py",
             DIST + "test_fsdp2_training_continues_bit_identical_on_the_same_world_size",
         ),
     ),
     "data": Target(
         "src/shardpoint/training/data.py",
-        ("tests/test_data_position.py", "tests/test_resume_training.py"),
+        (
+            "tests/test_data_position.py",
+            "tests/test_mutant_kills.py",
+            "tests/test_resume_training.py",
+        ),
     ),
     "verify": Target(
         "src/shardpoint/verify.py",
         (
             "tests/test_integrity.py",
+            "tests/test_mutant_kills.py",
             "tests/test_corruption_matrix.py",
             "tests/test_cli.py",
             "tests/test_hostile_files.py",
@@ -396,10 +403,13 @@ def run_tests(
             pass
         if proc.poll() is None:
             proc.communicate()
-    why = [ln for ln in (out or "").splitlines() if ln.startswith(("FAILED", "ERROR", "E "))]
+    lines = (out or "").splitlines()
+    # The short summary names the failing test; else the first error line.
+    why = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
+    why = why or [ln for ln in lines if ln.startswith("E ")]
     if outcome == "failed" and not why:
-        why = (out or "").strip().splitlines()[-1:]
-    return outcome, time.perf_counter() - start, " ".join(why[:1])[:160]
+        why = lines[-1:]
+    return outcome, time.perf_counter() - start, " ".join(why[:1])[:200]
 
 
 def run_mutant(m: Mutant, tests: tuple[str, ...], env: dict[str, str], timeout: float) -> dict:
