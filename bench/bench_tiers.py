@@ -48,7 +48,7 @@ import shardpoint  # noqa: E402
 from shardpoint.names import step_dir, writer_rank  # noqa: E402
 from shardpoint.saving import DEFAULT_THREADS  # noqa: E402
 from shardpoint.storage import open_storage  # noqa: E402
-from shardpoint.training.tiers import copy_files  # noqa: E402
+from shardpoint.storage.transfer import copy_files  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 COLS = 1024  # 4 KiB rows of fp32

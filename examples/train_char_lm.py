@@ -10,7 +10,9 @@ step's loss is appended to ``RUN_DIR/losses.jsonl`` (exact, as ``float.hex``).
 ``--crash-at STEP`` kills the process with SIGKILL at that step (``--crash-phase``
 ``after-step``: right after the step and any save; ``during-save``: after the shard
 files of that step's checkpoint are written, before it is committed). Start the same
-command again without ``--crash-at`` to resume. SIGTERM makes it save and exit with
+command again without ``--crash-at`` to resume. ``--freeze-base`` trains only the output
+layer (a fine-tune of a frozen base) and saves incrementally: each checkpoint writes
+what changed and refers to the earlier files for the rest. SIGTERM makes it save and exit with
 code 143 (128 + SIGTERM), the usual "preempted, requeue me" convention.
 """
 
@@ -120,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus-bytes", type=int, default=400_000, help="smaller: more epochs")
     p.add_argument("--crash-at", type=int, default=None)
     p.add_argument("--crash-phase", choices=["after-step", "during-save"], default="after-step")
+    p.add_argument(
+        "--freeze-base", action="store_true", help="train the head only, save incrementally"
+    )
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)  # the same kernels and reduction order in every run
@@ -142,15 +147,20 @@ def main(argv: list[str] | None = None) -> int:
         num_workers=args.num_workers,
     )
     model = CharTransformer(args.context)
+    if args.freeze_base:
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.startswith("head."))
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    trained = [param for param in model.parameters() if param.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=3e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(20, args.steps))
     state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, dataloader=loader)
     manager = CheckpointManager(
         args.run_dir / "checkpoints",
         policy=SavePolicy(every_n_steps=args.save_every),
         retention=RetentionPolicy(keep_last=args.keep_last),
+        incremental=args.freeze_base,
     )
     step = manager.restore(state) or 0
     log = print if rank == 0 else (lambda *a, **k: None)

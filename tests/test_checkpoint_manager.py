@@ -172,10 +172,10 @@ def _crash_deletion_at(monkeypatch, k: int) -> list[str]:
 
     real_delete = Commit.delete
 
-    def delete_counted(commit) -> None:  # noqa: ANN001
+    def delete_counted(commit, keep=()) -> None:  # noqa: ANN001
         deleting[0] = True
         try:
-            real_delete(commit)
+            real_delete(commit, keep)
         finally:
             deleting[0] = False
 

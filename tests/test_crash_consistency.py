@@ -28,6 +28,11 @@ are sampled from 1..N and run from whatever the previous kill left. After every 
 - after the next start no uncommitted directory is left, and every visible checkpoint
   loads with exactly its step's values.
 
+The same runs with ``CheckpointManager(incremental=True)``: a frozen tensor is referred
+to, not written, from the second save of a cycle on, so retention deletes checkpoints
+whose files later ones still read (they stay, marked ``PRUNED``, until nothing refers
+to them), and a kill lands in those deletions too.
+
 The same runs with ``CheckpointManager(async_save=True)``: the kill then lands on the
 background writer, hasher or commit thread while the training thread has already moved
 on and overwritten the live tensors with NaN. With two ranks (torch.distributed, gloo),
@@ -35,7 +40,7 @@ each rank is killed at each call of its own cycle; the killed rank must die by S
 the other only because its collective with the killed one broke.
 
 SHARDPOINT_KILL_POINTS sets how many kill points the one-rank synchronous test tries
-(default 200; half as many asynchronous), SHARDPOINT_TWO_RANK_KILL_POINTS those of
+(default 200; half as many asynchronous or incremental), SHARDPOINT_TWO_RANK_KILL_POINTS those of
 each two-rank test (default 160, over both ranks); never fewer than N (both ranks' N).
 """
 
@@ -58,6 +63,8 @@ import torch
 from shardpoint import CheckpointError, CheckpointManager, RetentionPolicy, SavePolicy, load
 from shardpoint.commit import Commit
 from shardpoint.format.index import MARKER_NAME
+from shardpoint.names import PRUNED_NAME, step_dir
+from shardpoint.references import referenced_files
 from shardpoint.storage.local import LocalDirectory
 
 KILL_POINTS = int(os.environ.get("SHARDPOINT_KILL_POINTS", "200"))
@@ -195,13 +202,17 @@ class Ledger:
             assert newest > before, f"killed at {killed}; visible {visible}, before {before}"
         if killed is None:
             assert visible[-KEEP_LAST:] == committed[-KEEP_LAST:], (visible, committed)
-        # The new manager cleaned up what the crash left: only committed step directories.
+        # The new manager cleaned up what the crash left: only committed step directories,
+        # and deleted ones holding exactly the files a visible checkpoint refers to.
+        referenced = self.referenced(visible)
         leftovers = [
             p.name
             for p in self.root.iterdir()
-            if p.name.startswith("step-") and not (p / MARKER_NAME).exists()
+            if p.name.startswith("step-")
+            and not (p / MARKER_NAME).exists()
+            and {f.name for f in p.iterdir()} != {PRUNED_NAME, *referenced.get(p.name, ())}
         ]
-        assert not leftovers, leftovers
+        assert not leftovers, (leftovers, referenced)
         # Visible means complete: every visible checkpoint loads with its step's values.
         for step in visible:
             try:
@@ -216,9 +227,13 @@ class Ledger:
     def finish_retention(self) -> None:
         """Delete what a killed retention left beyond ``keep_last``, as the next save's
         retention would: the next run then starts like the counted cycle."""
+        keep = self.referenced(self.visible[-KEEP_LAST:])
         for step in self.visible[:-KEEP_LAST]:
-            Commit(LocalDirectory(self.root / f"step-{step:09d}")).delete()
+            Commit(LocalDirectory(self.root / step_dir(step))).delete(keep.get(step_dir(step), ()))
         self.visible = self.visible[-KEEP_LAST:]
+
+    def referenced(self, steps: list[int]) -> dict[str, set[str]]:
+        return referenced_files(self.root, [step_dir(s) for s in steps], None)
 
     def table(self, title: str, cycle: list[Record], rank: int = 0) -> str:
         """The calls of one cycle and the kills that landed, by phase."""
@@ -277,14 +292,19 @@ def _append(path: Path, line: str) -> None:
 # ---- one rank ------------------------------------------------------------------------
 
 
+# Never changed: incremental saves refer to it instead of writing it again.
+FROZEN = torch.randn(64, 9, generator=torch.Generator().manual_seed(99))
+
+
 def state_of(step: int) -> dict:
     """The state saved at ``step``: its values say which step they belong to."""
     g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(300, 7, generator=g), "b": torch.full((5,), float(step)), "step": step}
+    w = torch.randn(300, 7, generator=g)
+    return {"w": w, "b": torch.full((5,), float(step)), "frozen": FROZEN, "step": step}
 
 
 def _template() -> dict:
-    return {"w": torch.zeros(300, 7), "b": torch.zeros(5), "step": -1}
+    return {"w": torch.zeros(300, 7), "b": torch.zeros(5), "frozen": torch.zeros(64, 9), "step": -1}
 
 
 def _compare_one_rank(path: Path, step: int) -> None:
@@ -297,16 +317,18 @@ def _assert_one_rank_state(state: dict, step: int) -> None:
     expected = state_of(step)
     assert state["step"] == step
     assert torch.equal(state["w"], expected["w"]) and torch.equal(state["b"], expected["b"])
+    assert torch.equal(state["frozen"], FROZEN)
 
 
-def _child(root: Path, kill_at: int, report: Path, async_save: bool) -> None:
+def _child(root: Path, kill_at: int, report: Path, mode: str) -> None:
     calls = CycleCalls(kill_at, report)
     manager = CheckpointManager(
         root,
         policy=SavePolicy(every_n_steps=1),
         retention=RetentionPolicy(keep_last=KEEP_LAST),
-        async_save=async_save,
+        async_save=mode == "async",
         preemption_signals=(),
+        incremental=mode == "incremental",
     )
     calls.armed = True  # after the start-up clean-up of the previous crash's leftovers
     run_log = root.parent / "run.log"
@@ -327,7 +349,7 @@ def _child(root: Path, kill_at: int, report: Path, async_save: bool) -> None:
         calls.write_records()
 
 
-def _run_child(root: Path, kill_at: int, async_save: bool) -> list[Record]:
+def _run_child(root: Path, kill_at: int, mode: str) -> list[Record]:
     """One cycle in a forked child killed at call ``kill_at``. Returns the record of the
     call it was killed at (none if it finished), or with ``kill_at`` 0 (no kill) the
     record of every call."""
@@ -335,7 +357,7 @@ def _run_child(root: Path, kill_at: int, async_save: bool) -> list[Record]:
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child never returns
         try:
-            _child(root, kill_at, report, async_save)
+            _child(root, kill_at, report, mode)
             os._exit(0)
         finally:
             os._exit(3)
@@ -351,24 +373,31 @@ def _run_child(root: Path, kill_at: int, async_save: bool) -> list[Record]:
 
 
 @pytest.mark.parametrize(
-    ("mode", "points"), [("sync", KILL_POINTS), ("async", max(1, KILL_POINTS // 2))]
+    ("mode", "points"),
+    [
+        ("sync", KILL_POINTS),
+        ("async", max(1, KILL_POINTS // 2)),
+        ("incremental", max(1, KILL_POINTS // 2)),
+    ],
 )
 def test_sigkill_at_any_point_never_loses_a_committed_checkpoint(tmp_path, mode, points):
     ledger = Ledger(tmp_path / "ckpts", 3, _compare_one_rank)
     # A first cycle leaves checkpoints to restore and to delete; the second is counted.
-    _run_child(ledger.root, 0, mode == "async")
+    _run_child(ledger.root, 0, mode)
     ledger.check_run(None)
-    cycle = _run_child(ledger.root, 0, mode == "async")
+    cycle = _run_child(ledger.root, 0, mode)
     ledger.check_run(None)
     for kill in _schedule({0: cycle}, points, seed=1):
         if kill.enumerated:
             ledger.finish_retention()
-        landed = _run_child(ledger.root, kill.at, mode == "async")
+        landed = _run_child(ledger.root, kill.at, mode)
         kill.record = landed[0] if landed else None
         ledger.kills.append(kill)
         ledger.check_run(kill.record)
     print(f"\n{ledger.table(f'1 rank, {mode}', cycle)}")
     assert set(PHASES) <= {r[0] for r in cycle}, cycle
+    # Async: threads interleave. Incremental: where a kill stops decides what the next
+    # cycle's retention deletes, so kill k lands near, not always at, counted call k.
     ledger.assert_every_call_was_killed(cycle, 0, exact=mode == "sync")
 
 

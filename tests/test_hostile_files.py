@@ -374,7 +374,7 @@ def test_retention_that_cannot_delete_does_not_fail_the_save(tmp_path, monkeypat
     )
     manager.save(1, _state(1), force=True)
 
-    def refuse(commit):
+    def refuse(commit, keep=()):
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr("shardpoint.commit.Commit.delete", refuse)

@@ -293,6 +293,63 @@ def test_tiered_manager_uploads_in_the_background_with_its_own_retention(tmp_pat
     assert all(e["bytes"] > 20e6 and e["lag_seconds"] >= e["seconds"] for e in uploads)
 
 
+def test_incremental_uploads_send_only_what_the_remote_lacks_and_keep_what_it_refers_to(
+    tmp_path, s3
+):
+    manager = _tiered(tmp_path, s3, incremental=True)
+    state = _state(0)  # "big" (20 MB) never changes; "small" does
+    for step in (1, 2, 3, 4):
+        for t in state["small"].values():
+            t.add_(1.0)
+        state["step"] = step
+        manager.save(step, state)
+        manager.wait_for_uploads()
+    uploads = {e["step"]: e["bytes"] for e in manager.events.read() if e["event"] == "upload"}
+    assert uploads[1] > 20e6 and all(uploads[s] < 100_000 for s in (2, 3, 4)), uploads
+    assert manager.remote_steps() == [3, 4]
+    remote = f"{s3['url']}/remote"
+    keys = [o["Key"] for o in s3["client"].list_objects_v2(Bucket=s3["bucket"])["Contents"]]
+    # Remote step 1 is deleted as a checkpoint; the big tensor's file, which 3 and 4
+    # read, stays under a PRUNED note.
+    assert sorted(k for k in keys if "step-000000001" in k) == [
+        "remote/step-000000001/PRUNED",
+        "remote/step-000000001/rank00000-00000.safetensors",
+    ]
+    assert not any("step-000000002" in k for k in keys)
+    restored = _state(7)
+    shardpoint.load(restored, f"{remote}/step-000000004")
+    assert torch.equal(restored["big"], state["big"]) and restored["step"] == 4
+    assert all(torch.equal(restored["small"][k], v) for k, v in state["small"].items())
+    assert shardpoint.verify(f"{remote}/step-000000004").ok
+    manager.close()
+
+
+def test_an_upload_brings_the_referenced_files_the_remote_lacks(tmp_path, s3):
+    """Steps 1 and 2 were saved before the job had a remote tier: uploading step 2
+    uploads the file of step 1 it refers to, under a PRUNED note (step 1 itself is not
+    a remote checkpoint)."""
+    local = CheckpointManager(tmp_path / "local", incremental=True, preemption_signals=())
+    state = _state(0)
+    for step in (1, 2):
+        state["small"]["0"].add_(1.0)
+        local.save(step, state, force=True)
+    local.close()
+    manager = _tiered(tmp_path, s3)  # uploads the newest local checkpoint at start
+    manager.wait_for_uploads()
+    assert manager.remote_steps() == [2]
+    remote = f"{s3['url']}/remote"
+    keys = [o["Key"] for o in s3["client"].list_objects_v2(Bucket=s3["bucket"])["Contents"]]
+    assert sorted(k for k in keys if "step-000000001" in k) == [
+        "remote/step-000000001/PRUNED",
+        "remote/step-000000001/rank00000-00000.safetensors",
+    ]
+    restored = _state(7)
+    shardpoint.load(restored, f"{remote}/step-000000002")
+    assert torch.equal(restored["big"], state["big"])
+    assert torch.equal(restored["small"]["0"], state["small"]["0"])
+    manager.close()
+
+
 def test_a_replaced_node_restores_from_the_remote_tier(tmp_path, s3):
     manager = _tiered(tmp_path, s3)
     manager.save(1, _state(1))

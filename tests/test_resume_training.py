@@ -77,6 +77,24 @@ def test_killed_run_resumes_bit_identical(tmp_path, reference, crash_at, phase, 
     assert final == json.loads((reference / "final.json").read_text())
 
 
+def test_a_frozen_base_saved_incrementally_resumes_bit_identical_after_sigkill(tmp_path):
+    """Only the head trains; checkpoints refer to the frozen weights' earlier files."""
+    reference = tmp_path / "reference"
+    assert train(reference, "--freeze-base").returncode == 0
+    crashed = tmp_path / "crashed"
+    run = train(crashed, "--freeze-base", "--crash-at", "33")
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    resumed = train(crashed, "--freeze-base")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from step 30" in resumed.stdout
+    assert read_losses(crashed) == read_losses(reference)
+    final = json.loads((crashed / "final.json").read_text())
+    assert final == json.loads((reference / "final.json").read_text())
+    newest = json.loads((crashed / "checkpoints" / "step-000000045" / "index.json").read_text())
+    assert newest["format_version"] == 3  # refers to the frozen weights written at step 40
+    assert any(name.startswith("../step-000000040/") for name in newest["files"])
+
+
 def test_sigterm_saves_exits_143_and_the_next_start_resumes(tmp_path, reference):
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--run-dir", str(tmp_path), *ARGS],

@@ -35,6 +35,7 @@ class Mutation:
 
 
 HOSTILE = "tests/test_hostile_files.py::"
+INCREMENTAL = "tests/test_incremental.py::"
 MUTATIONS = [
     Mutation(
         "marker before index",
@@ -347,6 +348,65 @@ MUTATIONS = [
         "            pass",
         (
             "tests/test_async_object_store.py::test_a_failed_part_write_surfaces_on_wait_and_commits_nothing",
+        ),
+    ),
+    Mutation(
+        "reference by counter alone",
+        "an incremental save never refers to bytes that differ",
+        "src/shardpoint/incremental.py",
+        "            if identity(flat_bytes(host_contiguous(data_of(p))).numpy())"
+        " == stored.identity:",
+        "            if True:",
+        (
+            INCREMENTAL
+            + "test_bytes_changed_behind_the_version_counter_are_written_not_referred_to",
+        ),
+    ),
+    Mutation(
+        "retention ignores references",
+        "deleting a checkpoint keeps the files others refer to",
+        "src/shardpoint/training/manager.py",
+        '                self._delete(source, step, "delete", references.get(step, ()), **fields)',
+        '                self._delete(source, step, "delete", (), **fields)',
+        (
+            INCREMENTAL + "test_retention_keeps_referenced_files_marked_pruned_then_deletes_them",
+            "tests/test_crash_consistency.py::test_sigkill_at_any_point_never_loses_a_committed_checkpoint[incremental-100]",
+        ),
+    ),
+    Mutation(
+        "pruned note after the marker",
+        "deleting a checkpoint keeps the files others refer to",
+        "src/shardpoint/commit.py",
+        "            if kept and PRUNED_NAME not in names:",
+        "            if False:",
+        (INCREMENTAL + "test_retention_keeps_referenced_files_marked_pruned_then_deletes_them",),
+    ),
+    Mutation(
+        "chain advances on failure",
+        "an incremental save refers only to committed checkpoints",
+        "src/shardpoint/saving.py",
+        "    records, sizes = result.chunks, {**result.files, **result.referenced}\n",
+        "    records, sizes = result.chunks, {**result.files, **result.referenced}\n"
+        "    if plan.chain is not None and result.error is None:\n"
+        "        plan.chain.committed(plan.storage.root, records, plan.tokens, sizes)\n",
+        (INCREMENTAL + "test_a_failed_save_leaves_the_chain_on_the_last_committed_checkpoint",),
+    ),
+    Mutation(
+        "reference escapes the parent",
+        "a reference never leaves the parent directory",
+        "src/shardpoint/storage/local.py",
+        "            escapes = (ref is not None or path.is_symlink()) and _outside(path, top)",
+        "            escapes = path.is_symlink() and _outside(path, top)",
+        (INCREMENTAL + "test_a_sibling_that_is_a_symlink_out_of_the_parent_is_refused",),
+    ),
+    Mutation(
+        "upload every referenced file",
+        "an upload sends only what the remote lacks",
+        "src/shardpoint/training/tiers.py",
+        "        missing = [n for n in refs if target.size(n) != source.size(n)]",
+        "        missing = refs",
+        (
+            "tests/test_object_store.py::test_incremental_uploads_send_only_what_the_remote_lacks_and_keep_what_it_refers_to",
         ),
     ),
     Mutation(

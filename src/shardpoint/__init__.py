@@ -17,6 +17,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .hf import export_hf, import_hf, load_hf
+from .incremental import IncrementalChain
 from .loading import load
 from .reader import CheckpointReader, TensorSlice
 from .saving import SaveInfo, save
@@ -43,6 +44,7 @@ def open(path: str, storage_options: dict | None = None) -> CheckpointReader:  #
 
 
 __all__ = [
+    "IncrementalChain",
     "AsyncOptions",
     "AsyncSave",
     "AsyncSaver",

@@ -33,6 +33,7 @@ from .commit import Commit
 from .format.index import checksum
 from .format.safetensors import itemsize
 from .gc_pause import gc_paused
+from .incremental import IncrementalChain
 from .saving import (
     DEFAULT_MAX_SHARD_BYTES,
     DEFAULT_THREADS,
@@ -129,12 +130,14 @@ class AsyncSaver:
         *,
         metadata: dict[str, Any] | None = None,
         on_done: Callable[[SaveInfo | None, BaseException | None], None] | None = None,
+        chain: IncrementalChain | None = None,
     ) -> AsyncSave | None:
         """Snapshot ``state`` and write it to ``path`` in the background.
 
         Returns the handle, or None when ``if_busy="skip"`` skipped it. ``on_done(info,
         error)`` runs on the background thread once the save committed or failed.
-        Raises the error of an earlier save nobody has seen yet.
+        ``chain``: an incremental save (``shardpoint.save``'s ``incremental``). Raises the
+        error of an earlier save nobody has seen yet.
         """
         if self.if_busy == "skip" and dist.max_of([int(self.busy())])[0]:
             return None
@@ -144,7 +147,7 @@ class AsyncSaver:
         if self._stager is None or self._stager.nice != self.nice:
             self._stager = Stager(self.pool, self.threads, self.nice)  # threads kept
         stager = self._stager
-        options = SaveOptions(self.max_shard_size, self.threads, metadata, self.per_node)
+        options = SaveOptions(self.max_shard_size, self.threads, metadata, self.per_node, chain)
         finish = run_save(state, storage, options, stager, group=dist.background_group())
         assert callable(finish)
         handle = AsyncSave(storage.root, 0.0)
@@ -373,6 +376,8 @@ class _Persist:
         self.files: list[_OpenFile] = []
         self.placed: list[Any] = []
         self.sums: list[list[str]] = []
+        # Incremental saves: each piece's xxh3-128, fed in file order like the checksums.
+        self.identities: list[Any] = []
         self.error: str | None = None
         self._by_name: dict[str, _OpenFile] = {}
         self.hold = False  # keep staged slots until staging is over (the pool fits it all)
@@ -388,6 +393,8 @@ class _Persist:
             self.files.append(opened)
             self.placed.extend(f.placed)
             self.sums.extend([""] * n for n in opened.block_counts)
+            if self.plan.chain is not None:
+                self.identities.extend(xxhash.xxh3_128() for _ in f.placed)
             for b in opened.empty:
                 self.sums[b.piece][b.index] = checksum(b"")
             self._by_name[f.name] = opened
@@ -432,6 +439,8 @@ class _Persist:
             while f.cursor < len(f.blocks) and f.blocks[f.cursor].lo < hi:
                 b = f.blocks[f.cursor]
                 a, z = max(b.lo, lo), min(b.hi, hi)
+                if self.identities:
+                    self.identities[b.piece].update(view[a - lo : z - lo])
                 if f.partial is None and b.lo >= lo and b.hi <= hi:
                     self.sums[b.piece][b.index] = checksum(view[a - lo : z - lo])
                 else:
@@ -468,5 +477,9 @@ class _Persist:
             return WriteResult(error=self.error)
         return WriteResult(
             {f.shard.name: f.shard.size for f in self.files},
-            chunk_records(self.placed, self.sums),
+            chunk_records(
+                self.placed,
+                self.sums,
+                [h.hexdigest() for h in self.identities] or [None] * len(self.placed),
+            ),
         )

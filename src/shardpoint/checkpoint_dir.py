@@ -72,7 +72,7 @@ class CommittedCheckpoint:
     def fragment_value(self, rank: int, path: str) -> Any:
         """The encoded value rank ``rank`` kept in its fragment at ``path``; the tensor
         entries of its fragment join the index from then on."""
-        values = self._read_fragment(rank).values
+        values = self.read_fragment(rank).values
         if path not in values:
             raise CorruptCheckpointError(
                 f"{self.storage.location(fragment_file(rank))}: has no value at {path!r}, "
@@ -82,9 +82,9 @@ class CommittedCheckpoint:
 
     def fragment(self, rank: int) -> dict[str, Chunk]:
         """Rank ``rank``'s chunks of sharded entries (its fragment, read once)."""
-        return self._read_fragment(rank).chunks
+        return self.read_fragment(rank).chunks
 
-    def _read_fragment(self, rank: int) -> Fragment:
+    def read_fragment(self, rank: int) -> Fragment:
         """Rank ``rank``'s fragment, read once and checked against the index's checksum."""
         if rank not in self._fragments:
             name = fragment_file(rank)

@@ -23,8 +23,10 @@ from rich.tree import Tree
 from .checkpoint_dir import open_committed
 from .commit import Commit
 from .errors import CheckpointError
+from .format.index import split_reference
 from .names import is_own_file, parse_step_dir, writer_rank
 from .reader import CheckpointReader
+from .references import referenced_files
 from .storage import join, open_storage
 from .verify import verify
 from .version import __version__
@@ -45,6 +47,8 @@ EXAMPLES = {
     "convert": "shardpoint convert dcp_checkpoint/ runs/converted --allow-pickle  # DCP\n"
     "  shardpoint convert model.pt runs/converted --allow-pickle         # torch.save\n"
     "  shardpoint convert runs/exp1/step-000001000 model.pt              # to torch.save",
+    "copy": "shardpoint copy runs/exp1/step-000001000 /archive/exp1-step-1000\n"
+    "  shardpoint copy runs/exp1/step-000001000 s3://bucket/archive/step-1000",
     "prune": "shardpoint prune runs/exp1 --keep-last 3 --dry-run\n"
     "  shardpoint prune runs/exp1 --keep-last 3",
     "report": "shardpoint report runs/exp1                 # summary + runs/exp1/report.png\n"
@@ -114,8 +118,10 @@ def _step_of(path: str) -> int | None:
 def _describe(path: str) -> dict[str, Any]:
     row: dict[str, Any] = {"path": path, "step": _step_of(path), "status": "valid", "error": None}
     storage = open_storage(path)
-    if not Commit(storage).is_committed():
-        row["status"] = "uncommitted"
+    commit = Commit(storage)
+    if not commit.is_committed():
+        # A deleted checkpoint whose files later ones read (incremental saves).
+        row["status"] = "pruned" if commit.is_pruned() else "uncommitted"
         row["size"] = sum(storage.size(name) or 0 for name in storage.list())
         return row
     try:
@@ -125,10 +131,12 @@ def _describe(path: str) -> dict[str, Any]:
         return row
     index = ckpt.index
     step = index.metadata.get("step")
+    referenced = sum(size for name, size in index.files.items() if split_reference(name))
     row.update(
         step=step if isinstance(step, int) else row["step"],
         created=index.created,
-        size=sum(index.files.values()),
+        size=sum(index.files.values()) - referenced,  # its own files
+        referenced=referenced,  # bytes in earlier checkpoints' files it refers to
         files=len(index.files),
         ranks=index.world_size,
     )
@@ -141,15 +149,18 @@ def _ls(args: argparse.Namespace) -> int:
         _print_json(rows)
         return 0
     table = Table(title=str(args.path), title_justify="left")
-    for column in ("checkpoint", "step", "created", "size", "files", "ranks", "status"):
-        table.add_column(column, justify="right" if column in ("step", "size") else "left")
-    colour = {"valid": "green", "invalid": "bold red", "uncommitted": "yellow"}
+    columns = ("checkpoint", "step", "created", "size", "referenced", "files", "ranks", "status")
+    for column in columns:
+        right = column in ("step", "size", "referenced")
+        table.add_column(column, justify="right" if right else "left")
+    colour = {"valid": "green", "invalid": "bold red", "uncommitted": "yellow", "pruned": "dim"}
     for r in rows:
         table.add_row(
             _name(r["path"]),
             "" if r["step"] is None else str(r["step"]),
             r.get("created", ""),
             human_bytes(r.get("size", 0)),
+            human_bytes(r["referenced"]) if r.get("referenced") else "",
             str(r.get("files", "")),
             str(r.get("ranks", "")),
             f"[{colour[r['status']]}]{r['status']}[/]",
@@ -415,6 +426,27 @@ def _convert(args: argparse.Namespace) -> int:
     return _report_saved(args, result.path, result.tensors, None, result.skipped)
 
 
+def _copy(args: argparse.Namespace) -> int:
+    from .checkpoint_copy import copy_checkpoint
+
+    info = copy_checkpoint(args.source, args.out)
+    doc = {
+        "path": str(info.path),
+        "files": info.files,
+        "bytes": info.bytes_copied,
+        "made_own": info.made_own,
+    }
+    if args.json:
+        _print_json(doc)
+        return 0
+    own = f", {info.made_own} of them from earlier checkpoints" if info.made_own else ""
+    _console().print(
+        f"copied {info.files} files ({human_bytes(info.bytes_copied)}{own}) to {info.path}",
+        highlight=False,
+    )
+    return 0
+
+
 def _report_saved(
     args: argparse.Namespace, path: Path, tensors: int, nbytes: int | None, skipped: list[str]
 ) -> int:
@@ -437,15 +469,21 @@ def _prune(args: argparse.Namespace) -> int:
     if args.keep_last < 1:
         raise CheckpointError("--keep-last must be at least 1: prune never deletes them all")
     rows = [_describe(p) for p in _checkpoint_dirs(args.path)]
-    committed = [r for r in rows if r["status"] != "uncommitted"]
+    committed = [r for r in rows if r["status"] not in ("uncommitted", "pruned")]
     keep = {r["path"] for r in committed[-args.keep_last :]}
     delete = [r for r in committed if r["path"] not in keep]
-    for r in delete if not args.dry_run else []:
-        Commit(open_storage(r["path"])).delete()
+    # Files the kept checkpoints refer to (incremental saves) stay, in a pruned directory.
+    referenced = referenced_files(args.path, [_name(p) for p in keep], None)
+    pruned = [r for r in rows if r["status"] == "pruned"]
+    for r in delete + pruned if not args.dry_run else []:
+        Commit(open_storage(r["path"])).delete(referenced.get(_name(r["path"]), ()))
     doc = {
         "dry_run": args.dry_run,
         "deleted": [r["path"] for r in delete],
         "kept": sorted(keep),
+        "kept_for_references": sorted(
+            r["path"] for r in delete + pruned if referenced.get(_name(r["path"]))
+        ),
         # An uncommitted directory may be a save in progress: never touched here.
         "left_alone_uncommitted": [r["path"] for r in rows if r["status"] == "uncommitted"],
     }
@@ -456,6 +494,8 @@ def _prune(args: argparse.Namespace) -> int:
     verb = "would delete" if args.dry_run else "deleted"
     for r in delete:
         console.print(f"[red]{verb}[/] {r['path']}", highlight=False)
+    for path in doc["kept_for_references"]:
+        console.print(f"[dim]kept the files newer checkpoints refer to in[/] {path}")
     for path in doc["left_alone_uncommitted"]:
         console.print(f"[yellow]left alone[/] {path} (uncommitted: a save may be running)")
     console.print(f"{verb} {len(delete)}, kept {len(keep)}")
@@ -537,6 +577,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="read .bin (pickle) weights with torch's restricted unpickler",
     )
+    p = command("copy", _copy, "copy a checkpoint, self-contained (referenced files made its own)")
+    p.add_argument("source", help="committed checkpoint")
+    p.add_argument("out", help="new checkpoint directory or URL")
     p = command("convert", _convert, "DCP or torch.save -> shardpoint, shardpoint -> torch.save")
     p.add_argument("source", help="DCP directory, torch.save file or shardpoint checkpoint")
     p.add_argument("out", help="new checkpoint directory, or .pt file from shardpoint")

@@ -13,11 +13,11 @@ at all), ``sync`` has nothing to do and there is no lock.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .format.index import marker_json
-from .names import INDEX_NAME, MARKER_NAME, is_own_file
+from .names import INDEX_NAME, MARKER_NAME, PRUNED_NAME, is_own_file
 from .storage import CheckpointStorage, WriterLock
 
 
@@ -65,9 +65,7 @@ class Commit:
         try:
             if self._marker_present():  # checked before creating anything
                 raise _exists(where)
-            self.storage.prepare()
-            self._lock = self.storage.lock()
-            self._lock.acquire()
+            self._prepare_and_lock()
             if self._marker_present():  # committed by another process since the first look
                 raise _exists(where)
             names = self.storage.list()
@@ -76,6 +74,12 @@ class Commit:
                 raise CheckpointError(
                     f"{where}: holds files that are not from an unfinished shardpoint save "
                     f"({foreign[:3]}); save to an empty or new directory"
+                )
+            if PRUNED_NAME in names:
+                raise CheckpointError(
+                    f"{where}: a deleted checkpoint whose files later (incremental) "
+                    "checkpoints still read; save to another directory, or delete those "
+                    "checkpoints first"
                 )
             for name in names:  # leftovers of a crashed save, never committed
                 self.storage.delete(name)
@@ -90,6 +94,21 @@ class Commit:
                 "written and earlier checkpoints are untouched. Check free space and "
                 "permissions (or, for an object store, that it is reachable)."
             ) from exc
+
+    def _prepare_and_lock(self, attempts: int = 3) -> None:
+        """Create the directory and take its lock. Another process clearing an empty
+        leftover may remove the directory between the two: create it again."""
+        for attempt in range(attempts):
+            self.storage.prepare()
+            lock = self.storage.lock()
+            try:
+                lock.acquire()
+            except FileNotFoundError:
+                if attempt == attempts - 1:
+                    raise
+                continue
+            self._lock = lock
+            return
 
     def finish(self, index: bytes) -> None:
         """Make the checkpoint visible: the index durable first, then the marker."""
@@ -118,28 +137,48 @@ class Commit:
         if remove_directory:
             self.storage.remove_if_empty()
 
-    def delete(self) -> None:
-        """Remove the checkpoint, marker first, under the writer lock.
+    def delete(self, keep: Collection[str] = ()) -> None:
+        """Remove the checkpoint, marker first, under the writer lock, except the files
+        in ``keep`` (other checkpoints refer to them: ``references.py``).
 
         Once the marker is gone no reader takes the directory for a checkpoint, so a
-        crash halfway leaves an uncommitted leftover, never a damaged "valid" one.
-        Files that are not shardpoint's are left alone (and keep the directory). A
-        directory another process is saving to raises ``ConcurrentWriterError``.
+        crash halfway leaves an uncommitted leftover, never a damaged "valid" one. Kept
+        files get a ``PRUNED`` note, durable before the marker goes, so that no save
+        ever clears them as a crashed save's leftovers; the note goes last, once nothing
+        is kept. Files that are not shardpoint's are left alone (and keep the
+        directory). A directory another process is saving to raises
+        ``ConcurrentWriterError``.
         """
         if not self.storage.exists():
             return
         lock = self.storage.lock()
-        lock.acquire()
         try:
+            lock.acquire()
+        except FileNotFoundError:  # removed by another process meanwhile: nothing to do
+            return
+        try:
+            names = self.storage.list()
+            kept = [n for n in names if n in keep]
+            if kept and PRUNED_NAME not in names:
+                self.storage.write_small_durably(PRUNED_NAME, "\n".join(kept).encode())
+                self.storage.sync()
             if self.is_committed():
                 self.storage.delete(MARKER_NAME)
                 self.storage.sync()
-            for name in self.storage.list():
-                if is_own_file(name):
+            notes = (MARKER_NAME, PRUNED_NAME)
+            for name in names:
+                if is_own_file(name) and name not in keep and name not in notes:
                     self.storage.delete(name)
+            if not kept and PRUNED_NAME in names:
+                self.storage.sync()
+                self.storage.delete(PRUNED_NAME)
             self.storage.remove_if_empty()
         finally:
             lock.release()
+
+    def is_pruned(self) -> bool:
+        """Deleted, with files that other checkpoints refer to kept (see ``delete``)."""
+        return not self.is_committed() and self.storage.size(PRUNED_NAME) is not None
 
 
 def _exists(where: str) -> CheckpointExistsError:

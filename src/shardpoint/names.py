@@ -3,8 +3,10 @@
 A manager's directory holds one ``step-NNNNNNNNN`` directory per checkpoint; a
 checkpoint directory holds ``rankRRRRR-KKKKK.safetensors`` shard files (rank R's K-th
 file), ``rankRRRRR.chunks.json`` fragments (format version 2: where rank R's chunks of
-sharded entries are), ``index.json`` and the ``COMMITTED`` marker. Anything else is
-not ours.
+sharded entries are), ``index.json`` and the ``COMMITTED`` marker. A deleted
+checkpoint whose shard files later checkpoints still refer to (incremental saves)
+keeps those files and a ``PRUNED`` note instead of its marker. Anything else is not
+ours.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import re
 from .format.index import INDEX_NAME, MARKER_NAME
 
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
+_SHARD_FILE = re.compile(r"^rank\d{5}-(\d{5})\.safetensors$")
 _RANK_FILE = re.compile(r"^rank(\d{5})(-\d{5}\.safetensors|\.chunks\.json)$")
 # Every name a save writes (``.tmp``: a small file or stream not yet renamed into place).
 _OWN_FILE = re.compile(
-    r"^(index\.json|COMMITTED|rank\d{5}-\d{5}\.safetensors|rank\d{5}\.chunks\.json)(\.tmp)?$"
+    r"^(index\.json|COMMITTED|PRUNED|rank\d{5}-\d{5}\.safetensors|rank\d{5}\.chunks\.json)"
+    r"(\.tmp)?$"
 )
+PRUNED_NAME = "PRUNED"
 
 __all__ = ["INDEX_NAME", "MARKER_NAME"]
 
@@ -37,6 +42,12 @@ def shard_file(rank: int, k: int) -> str:
     return f"rank{rank:05d}-{k:05d}.safetensors"
 
 
+def shard_number(name: str) -> int | None:
+    """K of a ``rankRRRRR-KKKKK.safetensors`` name (also one referred to), else None."""
+    m = _SHARD_FILE.match(name.rpartition("/")[2])
+    return int(m.group(1)) if m else None
+
+
 def fragment_file(rank: int) -> str:
     return f"rank{rank:05d}.chunks.json"
 
@@ -46,8 +57,9 @@ def is_fragment(name: str) -> bool:
 
 
 def writer_rank(name: str) -> int | None:
-    """The rank that wrote ``name`` (a shard file or a fragment), else None."""
-    m = _RANK_FILE.match(name)
+    """The rank that wrote ``name`` (a shard file or a fragment, also one referred to
+    in a sibling checkpoint), else None."""
+    m = _RANK_FILE.match(name.rpartition("/")[2])
     return int(m.group(1)) if m else None
 
 

@@ -32,6 +32,8 @@ from . import dist
 from .commit import Commit
 from .errors import CheckpointError, UnsupportedValueError
 from .format.index import (
+    PLAIN_VERSION,
+    REFERENCES_VERSION,
     Chunk,
     Index,
     TensorEntry,
@@ -50,6 +52,7 @@ from .format.safetensors import (
     tensor_nbytes,
 )
 from .gc_pause import gc_paused
+from .incremental import IncrementalChain, Token, identity, token, unchanged
 from .names import INDEX_NAME, MARKER_NAME, fragment_file, shard_file
 from .parallel import map_batched
 from .plan import Holding, Piece, plan_writes
@@ -87,6 +90,7 @@ def save(
     threads: int = DEFAULT_THREADS,
     metadata: dict[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,
+    incremental: IncrementalChain | None = None,
 ) -> SaveInfo:
     """Save ``state`` as a committed checkpoint directory at ``path``.
 
@@ -102,13 +106,20 @@ def save(
     ``path`` may be an object-store URL (``s3://bucket/run/step-100``); see
     docs/storage.md for credentials, endpoints and ``storage_options``.
 
+    ``incremental``: an ``IncrementalChain`` shared by a sequence of saves into sibling
+    directories. Chunks whose bytes equal those of the chain's previous save are not
+    written again: the index refers to the earlier checkpoint's file (docs/format.md,
+    version 3). Delete such checkpoints with ``CheckpointManager`` retention or
+    ``shardpoint prune``, which keep referenced files.
+
     >>> import torch, shardpoint
     >>> info = shardpoint.save({"w": torch.ones(2), "step": 7}, "/tmp/sp-doc/ckpt")
     >>> info.tensors
     1
     """
     storage = open_storage(path, storage_options)
-    info = run_save(state, storage, SaveOptions(max_shard_size, threads, metadata))
+    options = SaveOptions(max_shard_size, threads, metadata, chain=incremental)
+    info = run_save(state, storage, options)
     assert isinstance(info, SaveInfo)  # no staging: committed on return
     return info
 
@@ -121,6 +132,9 @@ class SaveOptions:
     # Each node's directory is its own (node-local disks): every node's first rank
     # prepares and commits it. Otherwise one directory is shared and rank 0 does.
     per_node: bool = False
+    # Incremental: chunks unchanged since the chain's newest checkpoint (a sibling
+    # directory) are referred to, not written; the chain advances on commit.
+    chain: IncrementalChain | None = None
 
 
 class Staging(Protocol):
@@ -143,7 +157,10 @@ def run_save(
     start = time.perf_counter()
     plan = plan_save(state, storage, options, group=group, to_host=staging is None)
     written: Callable[[], WriteResult]
+    references: tuple[list[ChunkRecord], dict[str, int]] = ([], {})
     try:
+        if options.chain is not None:
+            references = _refer_to_unchanged(plan, options.chain)
         files = lay_out(plan, options.max_shard_size, zero_copy=staging is None)
         if staging is None:
             result = write_from_memory(plan, files, options.threads)
@@ -153,8 +170,35 @@ def run_save(
     except Exception as exc:  # any failure must still reach the commit's gather
         failed = WriteResult(error=f"rank {plan.rank}: {exc}")
         written = lambda: failed  # noqa: E731
-    finish = lambda: commit(plan, written(), options.metadata, start=start)  # noqa: E731
+    finish = lambda: commit(  # noqa: E731
+        plan, _with_references(written(), *references), options.metadata, start=start
+    )
     return finish() if staging is None else finish
+
+
+def _refer_to_unchanged(
+    plan: SavePlan, chain: IncrementalChain
+) -> tuple[list[ChunkRecord], dict[str, int]]:
+    """Drop from ``plan`` the pieces the chain's base holds byte for byte; returns the
+    records that refer to them and the referenced files' sizes."""
+    plan.chain = chain
+    base = chain.base_for(plan.storage.root)
+    if not base:
+        return [], {}
+    plan.pieces, plan.referred, records, files = unchanged(
+        base, plan.pieces, lambda p: _piece_data(p, plan.local[p.name]), plan.tokens
+    )
+    return records, files
+
+
+def _with_references(
+    result: WriteResult, records: list[ChunkRecord], files: dict[str, int]
+) -> WriteResult:
+    if result.error is not None or not records:
+        return result
+    result.chunks.extend(records)
+    result.referenced.update(files)
+    return result
 
 
 @dataclass
@@ -175,11 +219,14 @@ class SavePlan:
     # This rank's own values (``tree.PerRank``) and the tensors in them: its fragment's.
     rank_values: dict[str, Any] = field(default_factory=dict)
     rank_tensors: set[str] = field(default_factory=set)
+    tokens: dict[str, Token] = field(default_factory=dict)  # entry -> version and address
+    chain: IncrementalChain | None = None  # advanced once this save is committed
+    referred: list[Piece] = field(default_factory=list)  # pieces the chain's base holds
 
     @property
     def sharded_names(self) -> set[str]:
         """This rank's entries described by their sharding (chunks go to its fragment)."""
-        return {p.name for p in self.pieces if p.source.sharding is not None}
+        return {p.name for p in [*self.pieces, *self.referred] if p.source.sharding is not None}
 
     def release(self) -> None:
         if self.commit is not None:
@@ -197,6 +244,8 @@ class ChunkRecord:
     # Replicated state: the box (offsets, shape) this piece is part of, which other
     # ranks hold too; None for a rank's own shard.
     copy_of: tuple[tuple[int, ...], tuple[int, ...]] | None
+    # xxh3-128 of the chunk's bytes (incremental saves; stays on the rank that wrote it).
+    identity: str | None = None
 
     def to_json(self) -> list[Any]:
         c = self.chunk
@@ -223,6 +272,8 @@ class WriteResult:
     # The rank's fragment (size, checksum) and the files its sharded chunks are in.
     fragment: tuple[int, str] | None = None
     sharded_files: list[str] = field(default_factory=list)
+    # Files of earlier checkpoints its chunks refer to (incremental) -> size.
+    referenced: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         chunks = [c.to_json() for c in self.chunks]
@@ -232,13 +283,20 @@ class WriteResult:
             "error": self.error,
             "fragment": self.fragment,
             "sharded_files": self.sharded_files,
+            "referenced": self.referenced,
         }
 
     @staticmethod
     def from_json(doc: dict[str, Any]) -> WriteResult:
         chunks = [ChunkRecord.from_json(c) for c in doc["chunks"]]
         fragment = tuple(doc["fragment"]) if doc["fragment"] is not None else None
-        return WriteResult(doc["files"], chunks, doc["error"], fragment, doc["sharded_files"])
+        return WriteResult(
+            doc["files"], chunks, doc["error"], fragment, doc["sharded_files"], doc["referenced"]
+        )
+
+    def file_size(self, name: str) -> int:
+        """The size of a file its chunks are in: its own, or a referenced one."""
+        return self.files[name] if name in self.files else self.referenced[name]
 
 
 def plan_save(
@@ -267,6 +325,7 @@ def plan_save(
     own_error: Exception | None = None
     tree_here: Any = None
     holdings: list[Holding] = []
+    tokens: dict[str, Token] = {}
     aliases: dict[str, str] = {}
     local: dict[str, torch.Tensor] = {}
     commit_: Commit | None = None
@@ -278,6 +337,7 @@ def plan_save(
         flat = flatten(state, rank=me if per_rank else None)
         tree_here = flat.tree
         holdings, aliases, local = _holdings(flat.tensors, to_host, flat.rank_tensors)
+        tokens = {h.name: token(local_part(flat.tensors[h.name], h.name)[0]) for h in holdings}
         # One process has nothing to agree on: its plan costs less than a digest.
         own = _structure_digest(holdings, aliases) if dist.is_distributed() else None
         sharded = _sharded_entries(holdings)
@@ -337,6 +397,7 @@ def plan_save(
         cached,
         flat.rank_values if flat is not None else {},
         flat.rank_tensors if flat is not None else set(),
+        tokens,
     )
 
 
@@ -473,6 +534,7 @@ def commit(
 def _commit(
     plan: SavePlan, result: WriteResult, metadata: dict[str, Any] | None, start: float
 ) -> SaveInfo:
+    records, sizes = result.chunks, {**result.files, **result.referenced}
     if result.error is None:
         result = _write_fragment(plan, result)
     # The non-tensor trees travel here, not with the plan: they change every save.
@@ -515,6 +577,8 @@ def _commit(
             "committed and earlier checkpoints are untouched. Fix the cause above (free "
             "space, permissions, the object store's reachability), then save again."
         )
+    if plan.chain is not None:  # committed on every rank: the next save's base
+        plan.chain.committed(plan.storage.root, records, plan.tokens, sizes)
     seconds = time.perf_counter() - start
     return SaveInfo(
         path=plan.storage.root,
@@ -554,6 +618,7 @@ def _write_fragment(plan: SavePlan, result: WriteResult) -> WriteResult:
         ],
         fragment=(len(data), checksum(data)),
         sharded_files=sorted({c.file for c in sharded.values()}),
+        referenced=result.referenced,
     )
 
 
@@ -619,8 +684,10 @@ def lay_out(plan: SavePlan, max_shard_size: int, *, zero_copy: bool) -> list[Sha
     return shards
 
 
-def chunk_records(placed: list[_Placed], checksums: list[list[str]]) -> list[ChunkRecord]:
-    """The index records of written pieces."""
+def chunk_records(
+    placed: list[_Placed], checksums: list[list[str]], identities: list[str | None]
+) -> list[ChunkRecord]:
+    """The index records of written pieces (``identities``: incremental saves)."""
     return [
         ChunkRecord(
             p.piece.name,
@@ -637,8 +704,9 @@ def chunk_records(placed: list[_Placed], checksums: list[list[str]]) -> list[Chu
                 p.block_rows,
             ),
             (p.piece.source.offsets, p.piece.source.shape) if p.piece.source.replicated else None,
+            ident,
         )
-        for p, digest in zip(placed, checksums)
+        for p, digest, ident in zip(placed, checksums, identities)
     ]
 
 
@@ -650,23 +718,24 @@ def write_from_memory(plan: SavePlan, shards: list[ShardFile], threads: int) -> 
         for f in shards
     }
     placed = [p for f in shards for p in f.placed]
+    incremental = plan.chain is not None
+
+    def digests_of(p: _Placed) -> tuple[list[str], str | None]:
+        raw = p.raw.numpy()
+        sums = block_checksums(raw, p.slot.shape, itemsize(p.slot.dtype), p.block_rows)
+        return sums, identity(raw) if incremental else None
+
     # Checksums run on their own thread, so they cost no wall time.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardpoint-hash") as hasher:
-        digests = map_batched(
-            hasher,
-            lambda p: block_checksums(
-                p.raw.numpy(), p.slot.shape, itemsize(p.slot.dtype), p.block_rows
-            ),
-            placed,
-            lambda p: p.slot.nbytes,
-        )
+        digests = map_batched(hasher, digests_of, placed, lambda p: p.slot.nbytes)
         try:
             plan.storage.write_files(to_write, threads=threads)
-            sums = digests()
+            done = digests()
         except Exception:  # whatever failed, none of this rank's files may stay behind
             Commit(plan.storage).abort(to_write, remove_directory=False)
             raise
-    return WriteResult({f.name: f.size for f in shards}, chunk_records(placed, sums))
+    records = chunk_records(placed, [d[0] for d in done], [d[1] for d in done])
+    return WriteResult({f.name: f.size for f in shards}, records)
 
 
 @dataclass(frozen=True)
@@ -736,12 +805,12 @@ def _index(
             if included(rank, c):
                 meta[c.name] = (c.dtype, c.global_shape)
                 chunks_of.setdefault(c.name, []).append(c.chunk)
-                files[c.chunk.file] = r.files[c.chunk.file]
+                files[c.chunk.file] = r.file_size(c.chunk.file)
         if node is None or (nodes is not None and nodes[rank] == node):
             files.update(r.files)  # a node's own files, even one of no chunks
         # Every node's index names every rank's sharded chunks: their files and fragment.
         for name in [*r.sharded_files, *([fragment_file(rank)] if r.fragment else [])]:
-            files[name] = r.files[name]
+            files[name] = r.file_size(name)
     entries = {
         name: TensorEntry(
             name, meta[name][0], meta[name][1], tuple(sorted(chunks, key=lambda c: c.offsets))
@@ -769,6 +838,7 @@ def _index(
         metadata=dict(metadata or {}),
         shardings=shardings,
         fragments={rank: r.fragment for rank, r in enumerate(results) if r.fragment},
+        format_version=REFERENCES_VERSION if any(r.referenced for r in results) else PLAIN_VERSION,
     )
 
 

@@ -33,13 +33,21 @@ from .safetensors import (
 )
 
 FORMAT_NAME = "shardpoint"
-FORMAT_VERSION = 2  # written; 1 is still read
+# An index is written as the lowest version it needs: 2, or 3 when it refers to files
+# of other checkpoints (incremental saves). Every version up to FORMAT_VERSION is read.
+PLAIN_VERSION = 2
+REFERENCES_VERSION = 3
+FORMAT_VERSION = REFERENCES_VERSION
 FRAGMENT_FORMAT = "shardpoint-chunks"
 INDEX_NAME = "index.json"
 MARKER_NAME = "COMMITTED"
 CHECKSUM_ALGORITHM = "xxh3-64"
 # A shard file name is a plain name: no separators, no "..", nothing absolute.
-_FILE_NAME = re.compile(r"(?!\.)[A-Za-z0-9._-]{1,200}")  # fullmatch: "$" passes a "\n"
+_PLAIN = r"(?!\.)[A-Za-z0-9._-]{1,200}"
+_FILE_NAME = re.compile(_PLAIN)  # fullmatch: "$" passes a "\n"
+# Version 3: a file of a sibling checkpoint (same parent directory or prefix), which
+# an incremental save refers to instead of writing the same bytes again.
+_REFERENCE = re.compile(rf"\.\./({_PLAIN})/({_PLAIN})")
 _CHECKSUM = re.compile(r"[0-9a-f]{16}")
 _DAMAGED = "the checkpoint is damaged, load an earlier one"
 
@@ -118,7 +126,7 @@ class Index:
     library_version: str
     world_size: int = 1
     metadata: dict[str, Any] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    format_version: int = PLAIN_VERSION
     # Version 2: entries described by a sharding (their chunks are in the writers'
     # fragments, read when needed), and each rank's fragment as (size, checksum).
     shardings: dict[str, Sharding] = field(default_factory=dict)
@@ -136,6 +144,8 @@ class Index:
         from a version 1 file writes back as version 1."""
         if self.format_version < 2 and (self.shardings or self.fragments):
             raise ValueError("shardings and fragments need format version 2")
+        if self.format_version < 3 and any(map(split_reference, self.files)):
+            raise ValueError("references to other checkpoints' files need format version 3")
         meshes: dict[Mesh, int] = {}
         tensors: dict[str, Any] = {}
         for name in self.names():
@@ -216,11 +226,25 @@ class Fragment:
     entries: dict[str, TensorEntry]  # the tensors inside those values
 
 
+def reference(directory: str, file: str) -> str:
+    """The name by which a checkpoint refers to ``file`` of its sibling ``directory``."""
+    return f"../{directory}/{file}"
+
+
+def split_reference(name: str) -> tuple[str, str] | None:
+    """(sibling directory, file) of a reference name, else None (a plain name)."""
+    m = _REFERENCE.fullmatch(name)
+    return (m.group(1), m.group(2)) if m else None
+
+
 def check_file_name(name: object, where: str) -> str:
-    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name):
+    """A plain name inside the checkpoint directory, or a reference to a file of a
+    sibling checkpoint (``../DIR/NAME``, both plain)."""
+    if not isinstance(name, str) or not (_FILE_NAME.fullmatch(name) or _REFERENCE.fullmatch(name)):
         raise CorruptCheckpointError(
             f"{where}: refusing file name {name!r}: shard files must be plain names inside "
-            "the checkpoint directory (no '/', no '..', not absolute)"
+            "the checkpoint directory (no '/', no '..', not absolute), or ../DIR/NAME for "
+            "a file of a sibling checkpoint"
         )
     return name
 

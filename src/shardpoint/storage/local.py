@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import ConcurrentWriterError, CorruptCheckpointError, file_too_large
-from ..format.index import check_file_name
+from ..format.index import check_file_name, split_reference
 from . import direct_io
 from .direct_io import (
     FILE_MODE,
@@ -48,6 +48,15 @@ class WriterLock:
                 "checkpoint right now; two jobs must not share a checkpoint directory. "
                 "Stop the other job or give this one its own directory."
             ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            # Locked, but maybe a directory another process removed meanwhile (it was
+            # empty) and that a third has created again: the lock would guard nothing.
+            here, locked = os.stat(self.directory), os.fstat(fd)
+            if (here.st_dev, here.st_ino) != (locked.st_dev, locked.st_ino):
+                raise FileNotFoundError(f"{self.directory}: was removed while being locked")
         except BaseException:
             os.close(fd)
             raise
@@ -168,9 +177,12 @@ class LocalDirectory:
     def path(self, name: str) -> Path:
         """The path of file ``name``, refusing anything that escapes the directory."""
         check_file_name(name, str(self.root))
-        path = self.root / name
+        ref = split_reference(name)
+        # A reference names a sibling checkpoint's file: it may not leave the parent.
+        top = self.root.parent if ref else self.root
+        path = top / ref[0] / ref[1] if ref else self.root / name
         with typed_read_errors(path):
-            escapes = path.is_symlink() and _outside(path, self.root)
+            escapes = (ref is not None or path.is_symlink()) and _outside(path, top)
         if escapes:
             raise CorruptCheckpointError(
                 f"{path}: symlink points outside the checkpoint directory; refusing to read it"

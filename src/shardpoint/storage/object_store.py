@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError, file_too_large
-from ..format.index import check_file_name
+from ..format.index import check_file_name, split_reference
 from .io_types import BLOCK, Segment
 
 _STORES: dict[tuple[str, str], Any] = {}
@@ -89,11 +89,18 @@ class ObjectStoreDirectory:
 
     def location(self, name: str) -> str:
         check_file_name(name, self.url)
-        return f"{self.url}/{name}"
+        ref = split_reference(name)
+        return f"{self.url.rsplit('/', 1)[0]}/{ref[0]}/{ref[1]}" if ref else f"{self.url}/{name}"
 
     def _key(self, name: str) -> str:
         check_file_name(name, self.url)
-        return f"{self.prefix}/{name}" if self.prefix else name
+        ref = split_reference(name)
+        if ref is None:
+            return f"{self.prefix}/{name}" if self.prefix else name
+        if not self.prefix:  # a checkpoint at the bucket's top has no siblings
+            raise CorruptCheckpointError(f"{self.url}: {name} points outside the bucket")
+        parent = self.prefix.rpartition("/")[0]
+        return f"{parent}/{ref[0]}/{ref[1]}" if parent else f"{ref[0]}/{ref[1]}"
 
     # ---- listing and small objects ------------------------------------------------------
 

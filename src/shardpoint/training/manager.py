@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from functools import partial
 from typing import Any
 
@@ -26,6 +26,7 @@ from ..errors import (
     CorruptCheckpointError,
     StateMismatchError,
 )
+from ..incremental import IncrementalChain
 from ..loading import load
 from ..saving import SaveInfo, SaveOptions, run_save
 from ..shared_reads import join_failed
@@ -121,6 +122,7 @@ class CheckpointManager:
         async_save: bool | AsyncOptions = False,
         io: IOOptions | None = None,
         preemption_signals: Iterable[int] = (signal.SIGTERM,),
+        incremental: bool = False,
     ) -> None:
         policy = policy or SavePolicy()
         retention = retention or RetentionPolicy()
@@ -165,6 +167,9 @@ class CheckpointManager:
             if asynchronous is not None
             else None
         )
+        # Incremental saves refer to the unchanged chunks of the newest checkpoint this
+        # process saved (incremental.py); the first save after a start writes all.
+        self._chain = IncrementalChain() if incremental else None
         self._saving_to: Any = None  # the async save in flight
         self._last_save = time.monotonic()
         self._signal: int | None = None
@@ -214,13 +219,27 @@ class CheckpointManager:
             except CheckpointError as exc:  # unreadable, or a store that is down
                 self._cannot_delete(tier.root, exc)
                 continue
+            try:  # files the committed checkpoints refer to stay
+                references = tier.references(tier.steps()) if leftovers else {}
+            except CheckpointError as exc:
+                self._cannot_delete(tier.root, exc)
+                continue
             for step in leftovers:
-                self._delete(tier, step, "cleanup")
+                if tier.unreferenced(step, references.get(step, ())):
+                    self._delete(tier, step, "cleanup", keep=references.get(step, ()))
 
-    def _delete(self, source: CheckpointTier, step: int, event: str, **fields: Any) -> None:
-        """Delete one checkpoint, best effort: what cannot be deleted now is reported."""
+    def _delete(
+        self,
+        source: CheckpointTier,
+        step: int,
+        event: str,
+        keep: Collection[str] = (),
+        **fields: Any,
+    ) -> None:
+        """Delete one checkpoint (except the files in ``keep``), best effort: what cannot
+        be deleted now is reported."""
         try:
-            source.delete(step)
+            source.delete(step, keep)
         except (OSError, CheckpointError) as exc:  # read-only, permissions, another writer
             self._cannot_delete(source.path_for(step), exc)
             return
@@ -482,7 +501,9 @@ class CheckpointManager:
         reason = "preemption" if preempting else "interval"
         if self._saver is None or preempting:
             io = self.io
-            options = SaveOptions(io.max_shard_size, io.threads, metadata, self.per_node)
+            options = SaveOptions(
+                io.max_shard_size, io.threads, metadata, self.per_node, self._chain
+            )
             info = run_save(state, open_storage(path, self.tier.options), options)
             assert isinstance(info, SaveInfo)
             self._committed(step, info, metrics, reason)
@@ -495,7 +516,9 @@ class CheckpointManager:
             else:
                 self._log("save_failed", step=step, path=str(path), error=str(error))
 
-        handle = self._saver.save(state, path, metadata=metadata, on_done=on_done)
+        handle = self._saver.save(
+            state, path, metadata=metadata, on_done=on_done, chain=self._chain
+        )
         if handle is not None:
             self._saving_to = path
             self._after_save()
@@ -552,18 +575,30 @@ class CheckpointManager:
             candidates.append(KeptCheckpoint(step, metric))
         keep = self.retention.keep(candidates)
         uploading = self._uploader.busy_step if self._uploader is not None else None
-        for c in candidates:
-            if c.step not in keep and c.step != uploading:
-                self._delete(self.tier, c.step, "delete")
+        if uploading is not None:
+            keep.add(uploading)
+        self._delete_all_but(self.tier, [c.step for c in candidates], keep)
 
     def _apply_remote_retention(self) -> None:
         assert self.remote is not None
         steps = self.remote.steps()
         assert self.remote_retention is not None
         keep = self.remote_retention.keep([KeptCheckpoint(s, None) for s in steps])
+        self._delete_all_but(self.remote, steps, keep, tier="remote")
+
+    def _delete_all_but(
+        self, source: CheckpointTier, steps: list[int], keep: set[int], **fields: Any
+    ) -> None:
+        """Delete the checkpoints of ``steps`` not in ``keep``, keeping every file a kept
+        one refers to (incremental saves); then what is left of deleted ones that no
+        kept checkpoint refers to any more."""
+        references = source.references(sorted(keep))
         for step in steps:
             if step not in keep:
-                self._delete(self.remote, step, "delete", tier="remote")
+                self._delete(source, step, "delete", references.get(step, ()), **fields)
+        for step in source.pruned():
+            if step not in keep and source.unreferenced(step, references.get(step, ())):
+                self._delete(source, step, "cleanup", references.get(step, ()), **fields)
 
     def wait_for_uploads(self, timeout: float | None = None) -> bool:
         """Block until this rank's uploads are done (the remote tier then holds the

@@ -12,18 +12,18 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from .. import dist
 from ..checkpoint_dir import MAX_INDEX_BYTES
 from ..commit import Commit
 from ..errors import CheckpointError
-from ..format.index import Index, parse_index
-from ..names import INDEX_NAME, is_own_file, parse_step_dir, step_dir, writer_rank
+from ..format.index import Index, parse_index, split_reference
+from ..names import INDEX_NAME, PRUNED_NAME, is_own_file, parse_step_dir, step_dir, writer_rank
+from ..references import referenced_files
 from ..storage import CheckpointStorage, join, open_storage
-from ..storage.io_types import BLOCK
+from ..storage.transfer import copy_files
 
 
 class CheckpointTier:
@@ -62,12 +62,28 @@ class CheckpointTier:
         """Steps of committed checkpoints, oldest first."""
         return [s for s in self.step_dirs() if self.committed(s)]
 
-    def delete(self, step: int) -> None:
-        self.commit_of(step).delete()
+    def delete(self, step: int, keep: Collection[str] = ()) -> None:
+        """Delete a checkpoint, except its files in ``keep`` (see ``references``)."""
+        self.commit_of(step).delete(keep)
 
     def leftovers(self) -> list[int]:
-        """Step directories without a marker that hold only checkpoint files."""
+        """Step directories without a marker that hold only checkpoint files (a crashed
+        save, or a deleted checkpoint whose files others refer to)."""
         return [s for s in self.step_dirs() if self.commit_of(s).is_leftover()]
+
+    def pruned(self) -> list[int]:
+        """Deleted checkpoints whose files other checkpoints referred to."""
+        return [s for s in self.step_dirs() if self.commit_of(s).is_pruned()]
+
+    def references(self, steps: Iterable[int]) -> dict[int, set[str]]:
+        """Step -> its files that the committed checkpoints of ``steps`` refer to."""
+        by_dir = referenced_files(self.root, [step_dir(s) for s in steps], self.options)
+        return {s: files for d, files in by_dir.items() if (s := parse_step_dir(d)) is not None}
+
+    def unreferenced(self, step: int, keep: Collection[str]) -> bool:
+        """Whether an uncommitted step directory holds anything beyond the files in
+        ``keep`` (which others refer to) and their note: then a clean-up has work."""
+        return not keep or set(self.open(step).list()) != {*keep, PRUNED_NAME}
 
 
 class Uploader:
@@ -213,43 +229,30 @@ class Uploader:
             raise FileNotFoundError(f"{source.where}: not committed in the local tier")
         names = [n for n in source.list() if writer_rank(n) == self.rank and n in wanted]
         target = self.remote.open(step)
-        return copy_files(source, target, names, self.threads)
+        # Files of earlier checkpoints it refers to: only those the remote lacks.
+        refs = [n for n in wanted if split_reference(n) and writer_rank(n) == self.rank]
+        missing = [n for n in refs if target.size(n) != source.size(n)]
+        for sibling in {split_reference(n)[0] for n in missing}:  # type: ignore[index]
+            _protect(self.remote.storage, sibling, self.remote.options)
+        return copy_files(source, target, names + missing, self.threads)
 
     def _commit_remote(self, step: int, raw: bytes, index: Index) -> None:
         """Rank 0: every rank's files are durable remotely; the index, then the marker."""
-        missing = set(index.files) - set(self.remote.open(step).list())
+        target = self.remote.open(step)
+        listed = set(target.list())
+        missing = {n for n in index.files if n not in listed and target.size(n) is None}
         if missing:  # a rank of another world size wrote them: nobody here uploads them
             raise FileNotFoundError(f"not uploaded by any rank: {sorted(missing)[:3]}")
         self.remote.commit_of(step).finish(raw)
 
 
-def copy_file(source: CheckpointStorage, target: CheckpointStorage, name: str, threads: int) -> int:
-    """Stream one file between any two storages (an object store uploads it in parallel
-    multipart parts); returns its size."""
-    size = source.size(name)
-    if size is None:
-        raise FileNotFoundError(f"{source.location(name)}: missing")
-    writer = target.open_writer(name, size, threads=threads)
-    try:
-        offset = 0
-        for block in source.iter_bytes(name, BLOCK):
-            writer.write(offset, block)
-            offset += len(block)
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    return size
-
-
-def copy_files(
-    source: CheckpointStorage, target: CheckpointStorage, names: list[str], threads: int
-) -> int:
-    """Several files, a few at a time; returns the bytes copied."""
-    if len(names) <= 1:
-        return sum(copy_file(source, target, n, threads) for n in names)
-    with ThreadPoolExecutor(min(threads, len(names)), "shardpoint-copy") as pool:
-        return sum(pool.map(lambda n: copy_file(source, target, n, threads), names))
+def _protect(parent: CheckpointStorage, sibling: str, options: dict[str, Any] | None) -> None:
+    """A remote directory that receives files a newer checkpoint refers to, without
+    being a committed checkpoint itself, is marked pruned first: no clean-up then takes
+    those files for a crashed upload's leftovers."""
+    storage = open_storage(join(parent.root, sibling), options)
+    if not Commit(storage).is_committed() and storage.size(PRUNED_NAME) is None:
+        storage.write_small_durably(PRUNED_NAME, b"")
 
 
 def _try(fn: Callable[[], Any]) -> Any:

@@ -1,0 +1,52 @@
+"""Streaming files between storages: uploads to the remote tier, copies of checkpoints."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from . import CheckpointStorage
+from .io_types import BLOCK
+
+
+def copy_file(
+    source: CheckpointStorage,
+    target: CheckpointStorage,
+    name: str,
+    threads: int,
+    target_name: str | None = None,
+) -> int:
+    """Stream one file between any two storages (an object store uploads it in parallel
+    multipart parts), as ``target_name`` (default: the same name); returns its size."""
+    size = source.size(name)
+    if size is None:
+        raise FileNotFoundError(f"{source.location(name)}: missing")
+    writer = target.open_writer(target_name or name, size, threads=threads)
+    try:
+        offset = 0
+        for block in source.iter_bytes(name, BLOCK):
+            writer.write(offset, block)
+            offset += len(block)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return size
+
+
+def copy_files(
+    source: CheckpointStorage,
+    target: CheckpointStorage,
+    names: list[str],
+    threads: int,
+    renamed: dict[str, str] | None = None,
+) -> int:
+    """Several files, a few at a time (each as ``renamed[name]`` if given); returns the
+    bytes copied."""
+
+    def one(name: str) -> int:
+        return copy_file(source, target, name, threads, (renamed or {}).get(name))
+
+    if len(names) <= 1:
+        return sum(one(n) for n in names)
+    with ThreadPoolExecutor(min(threads, len(names)), "shardpoint-copy") as pool:
+        return sum(pool.map(one, names))
