@@ -471,6 +471,42 @@ def test_retention_never_deletes_a_directory_another_process_is_saving_to(tmp_pa
     assert shardpoint.verify(manager.path_for(1)).ok
 
 
+def test_a_directory_replaced_while_it_is_being_locked_is_locked_again(tmp_path, monkeypatch):
+    """Another process may remove an empty step directory (its clean-up) between our
+    mkdir and our flock, and a third create it again: a lock on the removed one would
+    guard nothing. The save notices, locks the directory at the path, and goes on."""
+    import fcntl
+
+    from shardpoint.storage import local
+
+    path = tmp_path / "ckpt"
+    real = fcntl.flock
+    replaced = []
+
+    def flock(fd, op):  # noqa: ANN001, ANN202
+        if not replaced:  # the first lock: its directory is swapped under it
+            replaced.append(True)
+            path.rename(tmp_path / "gone")
+            path.mkdir()
+        return real(fd, op)
+
+    refused = []
+    write_files = LocalDirectory.write_files
+
+    def write_while_checking_the_lock(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        try:  # a second writer of the directory at the path must be refused now
+            LocalDirectory(path).lock().acquire()
+        except ConcurrentWriterError:
+            refused.append(True)
+        return write_files(self, *args, **kwargs)
+
+    monkeypatch.setattr(local.fcntl, "flock", flock)
+    monkeypatch.setattr(LocalDirectory, "write_files", write_while_checking_the_lock)
+    shardpoint.save({"w": torch.ones(3)}, path)
+    assert replaced and refused == [True]
+    assert shardpoint.verify(path).ok
+
+
 _RACER = """
 import sys, torch, shardpoint
 from shardpoint.errors import CheckpointExistsError, ConcurrentWriterError

@@ -300,6 +300,7 @@ def test_a_failed_save_leaves_the_chain_on_the_last_committed_checkpoint(tmp_pat
     shardpoint.save(state, tmp_path / "one", incremental=chain)
     _train(state, 1)
     shardpoint.save(state, tmp_path / "two", incremental=chain)
+    _train(state, 2)
     real = Commit.finish
 
     def fail(commit, index):  # noqa: ANN001
@@ -308,15 +309,15 @@ def test_a_failed_save_leaves_the_chain_on_the_last_committed_checkpoint(tmp_pat
     monkeypatch.setattr(Commit, "finish", fail)
     with pytest.raises(CheckpointError, match="disk full"):
         shardpoint.save(state, tmp_path / "three", incremental=chain)  # wrote, not committed
+    assert not (tmp_path / "three").exists()
     monkeypatch.setattr(Commit, "finish", real)
     shardpoint.save(state, tmp_path / "four", incremental=chain)
     files = _index(tmp_path / "four")["files"]
-    # Its base is "two" (committed), not "three" (whose files are gone).
-    assert sorted(n for n in files if n.startswith("../")) == [
-        "../one/rank00000-00000.safetensors",
-        "../two/rank00000-00000.safetensors",
-    ]
-    assert _load(tmp_path / "four")["adapter"][0, 0].item() == 1.0
+    # Its base is "two", the newest committed: the adapter, changed since, is written
+    # again (not referred to in "three", whose files are gone); the frozen base is
+    # referred to where it has been since "one".
+    assert sorted(n for n in files if n.startswith("../")) == ["../one/rank00000-00000.safetensors"]
+    assert _load(tmp_path / "four")["adapter"][0, 0].item() == 3.0
 
 
 def test_commit_delete_keeps_named_files_under_a_pruned_note(tmp_path):
