@@ -190,32 +190,33 @@ def test_prune_on_the_command_line_keeps_referenced_files(tmp_path, capsys):
 
 
 def test_a_damaged_referenced_file_invalidates_its_readers_and_restore_falls_back(tmp_path):
-    """Step 3 reads "late" from step 2's file; damaging it invalidates steps 2 and 3
-    (typed errors naming the file); restore falls back to step 1, which has its own."""
+    """ "late" changes up to step 2, is written once more (hashed) at step 3 and read
+    from step 3's file by step 4; damaging that file invalidates steps 3 and 4 (typed
+    errors naming the file); restore falls back to step 2, which has its own."""
     manager = _manager(tmp_path)
     state = {"late": torch.zeros(1000), "live": torch.zeros(10), "step": 0}
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4):
         if step <= 2:
             state["late"].add_(1.0)
         state["live"].add_(1.0)
         state["step"] = step
         manager.save(step, state, force=True)
-    file = manager.path_for(2) / "rank00000-00000.safetensors"
-    assert "../step-000000002/rank00000-00000.safetensors" in _index(manager.path_for(3))["files"]
+    file = manager.path_for(3) / "rank00000-00000.safetensors"
+    assert "../step-000000003/rank00000-00000.safetensors" in _index(manager.path_for(4))["files"]
     data = bytearray(file.read_bytes())
     data[-100] ^= 0xFF
     file.write_bytes(bytes(data))
-    report = shardpoint.verify(manager.path_for(3))
+    report = shardpoint.verify(manager.path_for(4))
     damaged = [f.name for f in report.files if f.errors]
-    assert damaged == ["../step-000000002/rank00000-00000.safetensors"], report
-    with pytest.raises(CorruptCheckpointError, match="step-000000002"):
+    assert damaged == ["../step-000000003/rank00000-00000.safetensors"], report
+    with pytest.raises(CorruptCheckpointError, match="step-000000003"):
         shardpoint.load(
-            {"late": torch.zeros(1000), "live": torch.zeros(10), "step": 0}, manager.path_for(3)
+            {"late": torch.zeros(1000), "live": torch.zeros(10), "step": 0}, manager.path_for(4)
         )
     target = {"late": torch.zeros(1000), "live": torch.zeros(10), "step": 0}
     with pytest.warns(UserWarning):
-        assert manager.restore(target) == 1
-    assert target["late"][0].item() == 1.0
+        assert manager.restore(target) == 2
+    assert target["late"][0].item() == 2.0 and target["live"][0].item() == 2.0
 
 
 def test_a_missing_referenced_file_is_a_typed_error(tmp_path):
@@ -299,8 +300,7 @@ def test_a_failed_save_leaves_the_chain_on_the_last_committed_checkpoint(tmp_pat
     state = _lora_state()
     shardpoint.save(state, tmp_path / "one", incremental=chain)
     _train(state, 1)
-    shardpoint.save(state, tmp_path / "two", incremental=chain)
-    _train(state, 2)
+    shardpoint.save(state, tmp_path / "two", incremental=chain)  # the adapter changed
     real = Commit.finish
 
     def fail(commit, index):  # noqa: ANN001
@@ -308,16 +308,16 @@ def test_a_failed_save_leaves_the_chain_on_the_last_committed_checkpoint(tmp_pat
 
     monkeypatch.setattr(Commit, "finish", fail)
     with pytest.raises(CheckpointError, match="disk full"):
-        shardpoint.save(state, tmp_path / "three", incremental=chain)  # wrote, not committed
+        # Writes the (now steady) adapter with its hash, then fails to commit.
+        shardpoint.save(state, tmp_path / "three", incremental=chain)
     assert not (tmp_path / "three").exists()
     monkeypatch.setattr(Commit, "finish", real)
     shardpoint.save(state, tmp_path / "four", incremental=chain)
     files = _index(tmp_path / "four")["files"]
-    # Its base is "two", the newest committed: the adapter, changed since, is written
-    # again (not referred to in "three", whose files are gone); the frozen base is
-    # referred to where it has been since "one".
+    # Its base is "two", the newest committed, whose adapter has no hash: written again,
+    # never referred to in "three", whose files are gone.
     assert sorted(n for n in files if n.startswith("../")) == ["../one/rank00000-00000.safetensors"]
-    assert _load(tmp_path / "four")["adapter"][0, 0].item() == 3.0
+    assert _load(tmp_path / "four")["adapter"][0, 0].item() == 1.0
 
 
 def test_commit_delete_keeps_named_files_under_a_pruned_note(tmp_path):
@@ -402,3 +402,28 @@ def test_copy_of_a_sharded_incremental_checkpoint_rewrites_its_fragments(tmp_pat
     loaded = {"frozen": torch.zeros(64, 32), "trained": torch.zeros(16, 8), "step": 0}
     shardpoint.load(loaded, out)
     assert torch.equal(loaded["trained"], torch.full((16, 8), 3.0))
+
+
+def test_copy_onto_a_committed_checkpoint_is_refused_and_changes_nothing(tmp_path):
+    shardpoint.save(_lora_state(), tmp_path / "a")
+    other = {"w": torch.ones(3)}
+    shardpoint.save(other, tmp_path / "b")
+    before = sorted((p.name, p.stat().st_size) for p in (tmp_path / "b").iterdir())
+    with pytest.raises(shardpoint.CheckpointExistsError):
+        shardpoint.copy_checkpoint(tmp_path / "a", tmp_path / "b")
+    assert sorted((p.name, p.stat().st_size) for p in (tmp_path / "b").iterdir()) == before
+
+
+def test_a_chunk_that_stops_changing_is_written_once_more_then_referred_to(tmp_path):
+    """Chunks that changed since the last save are written without the content hash
+    (full pre-training hashes nothing extra); one that then stays the same is written
+    once more, hashed, and referred to from the save after."""
+    manager = _manager(tmp_path)
+    state = _lora_state()
+    adapter = state["adapter"].numel() * 4
+    manager.save(1, state, force=True)
+    _train(state, 2)
+    assert manager.save(2, state, force=True).bytes_written >= adapter  # changed
+    assert manager.save(3, state, force=True).bytes_written >= adapter  # no hash yet
+    assert manager.save(4, state, force=True).bytes_written < 1024  # referred to
+    assert torch.equal(_load(manager.path_for(4))["adapter"], state["adapter"])

@@ -6,6 +6,7 @@
 """
 
 from .background_save import AsyncSave, AsyncSaver, async_save
+from .checkpoint_copy import CopyInfo, copy_checkpoint
 from .convert import convert
 from .errors import (
     CheckpointError,
@@ -44,6 +45,8 @@ def open(path: str, storage_options: dict | None = None) -> CheckpointReader:  #
 
 
 __all__ = [
+    "CopyInfo",
+    "copy_checkpoint",
     "IncrementalChain",
     "AsyncOptions",
     "AsyncSave",

@@ -376,7 +376,7 @@ class _Persist:
         self.files: list[_OpenFile] = []
         self.placed: list[Any] = []
         self.sums: list[list[str]] = []
-        # Incremental saves: each piece's xxh3-128, fed in file order like the checksums.
+        # Incremental saves: each piece's xxh3-128 (None: not wanted), fed in file order.
         self.identities: list[Any] = []
         self.error: str | None = None
         self._by_name: dict[str, _OpenFile] = {}
@@ -393,8 +393,9 @@ class _Persist:
             self.files.append(opened)
             self.placed.extend(f.placed)
             self.sums.extend([""] * n for n in opened.block_counts)
-            if self.plan.chain is not None:
-                self.identities.extend(xxhash.xxh3_128() for _ in f.placed)
+            self.identities.extend(
+                xxhash.xxh3_128() if id(p.piece) in self.plan.identify else None for p in f.placed
+            )
             for b in opened.empty:
                 self.sums[b.piece][b.index] = checksum(b"")
             self._by_name[f.name] = opened
@@ -439,7 +440,7 @@ class _Persist:
             while f.cursor < len(f.blocks) and f.blocks[f.cursor].lo < hi:
                 b = f.blocks[f.cursor]
                 a, z = max(b.lo, lo), min(b.hi, hi)
-                if self.identities:
+                if self.identities[b.piece] is not None:
                     self.identities[b.piece].update(view[a - lo : z - lo])
                 if f.partial is None and b.lo >= lo and b.hi <= hi:
                     self.sums[b.piece][b.index] = checksum(view[a - lo : z - lo])
@@ -480,6 +481,6 @@ class _Persist:
             chunk_records(
                 self.placed,
                 self.sums,
-                [h.hexdigest() for h in self.identities] or [None] * len(self.placed),
+                [h and h.hexdigest() for h in self.identities],
             ),
         )

@@ -47,16 +47,16 @@ def copy_checkpoint(
     storage_options: dict[str, Any] | None = None,
 ) -> CopyInfo:
     """Copy the committed checkpoint ``source`` to ``target`` (a new directory or URL),
-    self-contained. Sizes, headers and fragments are checked before a byte is copied;
+    self-contained. File sizes and fragments are checked before a byte is copied;
     run ``verify`` on the copy to check every checksum."""
     ckpt = open_committed(source, storage_options)
     index = ckpt.index
     renamed = _own_names(list(index.files))
     storage = open_storage(target, storage_options)
     commit = Commit(storage)
-    commit.begin()
     written: list[str] = []
     try:
+        commit.begin()
         shards = [n for n in index.files if not is_fragment(n)]
         written += [renamed[n] for n in shards]
         nbytes = copy_files(ckpt.storage, storage, shards, threads, renamed)

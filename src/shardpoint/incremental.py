@@ -10,6 +10,12 @@ its bytes now equals the xxh3-128 of the bytes written then, computed by the wri
 itself; the counter alone is never trusted (a write through ``.data`` or numpy does
 not bump it).
 
+The identity costs a hash of every byte written, so it is computed only for chunks
+that may be unchanged next time: new ones, and ones whose token did not move since the
+base (a chunk that changed since the last save is expected to change again; if it
+does not, it is written once more, with its identity, and referred to after that).
+Full pre-training, where every chunk changes every step, hashes nothing extra.
+
 References always point at the file that physically holds the bytes, never at a
 reference: a chain of a hundred saves is one hop from every chunk. The chain lives in
 the process (each rank keeps what it wrote); the first save after a restart writes
@@ -47,7 +53,7 @@ class Stored:
     """A chunk this rank stored in the chain's newest checkpoint."""
 
     record: Any  # saving.ChunkRecord, its file named relative to the checkpoint
-    identity: str
+    identity: str | None  # None: written without one (it had just changed)
     token: Token
     file_size: int
 
@@ -86,7 +92,7 @@ class IncrementalChain:
         parent, name = _parent_and_name(root)
         stored: dict[tuple[Any, ...], Stored] = {}
         for r in records:
-            if r.identity is None or r.name not in tokens:
+            if r.name not in tokens:
                 continue
             file = r.chunk.file
             if split_reference(file) is None:
@@ -107,26 +113,40 @@ def _key(name: str, offsets: Any, shape: Any, dtype: str) -> tuple[Any, ...]:
     return (name, tuple(offsets), tuple(shape), dtype)
 
 
+@dataclass
+class Split:
+    """An incremental save's pieces: to write (``identify``: the ones whose identity the
+    write computes, by ``id``), or referred to (their records, the files' sizes)."""
+
+    to_write: list[Any]
+    identify: set[int]
+    referred: list[Any]
+    records: list[Any]
+    files: dict[str, int]
+
+
 def unchanged(
     base: dict[tuple[Any, ...], Stored],
     pieces: list[Any],
     data_of: Callable[[Any], torch.Tensor],
     tokens: dict[str, Token],
-) -> tuple[list[Any], list[Any], list[Any], dict[str, int]]:
+) -> Split:
     """Split ``pieces`` into those to write and those ``base`` holds byte for byte.
 
     ``data_of(piece)``: its bytes now (a tensor, any device), read for candidates only;
-    ``tokens``: each entry's token now. Returns (pieces to write, pieces referred to,
-    their records, referenced file -> size).
+    ``tokens``: each entry's token now.
     """
-    to_write, referred, records, files = [], [], [], {}
+    split = Split([], set(), [], [], {})
     for p in pieces:
         stored = base.get(_key(p.name, p.offsets, p.shape, p.source.dtype))
-        if stored is not None and stored.token == tokens.get(p.name):
+        steady = stored is None or stored.token == tokens.get(p.name)
+        if stored is not None and steady and stored.identity is not None:
             if identity(flat_bytes(host_contiguous(data_of(p))).numpy()) == stored.identity:
-                referred.append(p)
-                records.append(stored.record)
-                files[stored.record.chunk.file] = stored.file_size
+                split.referred.append(p)
+                split.records.append(stored.record)
+                split.files[stored.record.chunk.file] = stored.file_size
                 continue
-        to_write.append(p)
-    return to_write, referred, records, files
+        split.to_write.append(p)
+        if steady:
+            split.identify.add(id(p))
+    return split

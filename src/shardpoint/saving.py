@@ -183,12 +183,12 @@ def _refer_to_unchanged(
     records that refer to them and the referenced files' sizes."""
     plan.chain = chain
     base = chain.base_for(plan.storage.root)
-    if not base:
+    if not base:  # the chain's first save: every chunk may stay unchanged
+        plan.identify = {id(p) for p in plan.pieces}
         return [], {}
-    plan.pieces, plan.referred, records, files = unchanged(
-        base, plan.pieces, lambda p: _piece_data(p, plan.local[p.name]), plan.tokens
-    )
-    return records, files
+    split = unchanged(base, plan.pieces, lambda p: _piece_data(p, plan.local[p.name]), plan.tokens)
+    plan.pieces, plan.referred, plan.identify = split.to_write, split.referred, split.identify
+    return split.records, split.files
 
 
 def _with_references(
@@ -222,6 +222,7 @@ class SavePlan:
     tokens: dict[str, Token] = field(default_factory=dict)  # entry -> version and address
     chain: IncrementalChain | None = None  # advanced once this save is committed
     referred: list[Piece] = field(default_factory=list)  # pieces the chain's base holds
+    identify: set[int] = field(default_factory=set)  # ids of pieces whose identity to compute
 
     @property
     def sharded_names(self) -> set[str]:
@@ -718,12 +719,11 @@ def write_from_memory(plan: SavePlan, shards: list[ShardFile], threads: int) -> 
         for f in shards
     }
     placed = [p for f in shards for p in f.placed]
-    incremental = plan.chain is not None
 
     def digests_of(p: _Placed) -> tuple[list[str], str | None]:
         raw = p.raw.numpy()
         sums = block_checksums(raw, p.slot.shape, itemsize(p.slot.dtype), p.block_rows)
-        return sums, identity(raw) if incremental else None
+        return sums, identity(raw) if id(p.piece) in plan.identify else None
 
     # Checksums run on their own thread, so they cost no wall time.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardpoint-hash") as hasher:

@@ -21,7 +21,7 @@ from ..commit import Commit
 from ..errors import CheckpointError
 from ..format.index import Index, parse_index, split_reference
 from ..names import INDEX_NAME, PRUNED_NAME, is_own_file, parse_step_dir, step_dir, writer_rank
-from ..references import referenced_files
+from ..references import References
 from ..storage import CheckpointStorage, join, open_storage
 from ..storage.transfer import copy_files
 
@@ -35,6 +35,7 @@ class CheckpointTier:
         self.root = root
         self.options = storage_options
         self.storage = open_storage(root, storage_options)
+        self._references = References(root, storage_options)
         try:
             missing = not self.storage.exists()  # an existing one may be a read-only mount
         except CheckpointError:  # unreachable now (a store down): training goes on
@@ -77,7 +78,7 @@ class CheckpointTier:
 
     def references(self, steps: Iterable[int]) -> dict[int, set[str]]:
         """Step -> its files that the committed checkpoints of ``steps`` refer to."""
-        by_dir = referenced_files(self.root, [step_dir(s) for s in steps], self.options)
+        by_dir = self._references.files([step_dir(s) for s in steps])
         return {s: files for d, files in by_dir.items() if (s := parse_step_dir(d)) is not None}
 
     def unreferenced(self, step: int, keep: Collection[str]) -> bool:
