@@ -427,3 +427,22 @@ def test_a_chunk_that_stops_changing_is_written_once_more_then_referred_to(tmp_p
     assert manager.save(3, state, force=True).bytes_written >= adapter  # no hash yet
     assert manager.save(4, state, force=True).bytes_written < 1024  # referred to
     assert torch.equal(_load(manager.path_for(4))["adapter"], state["adapter"])
+
+
+def test_export_hf_and_inspect_follow_references(tmp_path, capsys):
+    manager = _manager(tmp_path / "run")
+    state = _lora_state()
+    for step in (1, 2):
+        _train(state, step)
+        manager.save(step, state, force=True)
+    out = tmp_path / "hf"
+    assert cli(["export-hf", str(manager.path_for(2)), str(out)]) == 0
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    assert torch.equal(tensors["base"], state["base"])
+    assert torch.equal(tensors["adapter"], state["adapter"])
+    assert cli(["inspect", str(manager.path_for(2)), "--json"]) == 0
+    assert "base" in capsys.readouterr().out

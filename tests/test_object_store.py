@@ -8,6 +8,7 @@ the tiered manager (local + remote) including a SIGKILL during an upload.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import uuid
 from datetime import timedelta
@@ -30,6 +31,7 @@ from shardpoint import (
     SavePolicy,
 )
 from shardpoint.format.index import MARKER_NAME
+from shardpoint.storage import open_storage
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -348,6 +350,93 @@ def test_an_upload_brings_the_referenced_files_the_remote_lacks(tmp_path, s3):
     assert torch.equal(restored["big"], state["big"])
     assert torch.equal(restored["small"]["0"], state["small"]["0"])
     manager.close()
+
+
+def _dtype_state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "fp32": torch.randn(1_500, 1_000, generator=g),  # 6 MB: two compressed blocks
+        "bf16": torch.randn(700, 1_000, generator=g).bfloat16(),
+        "fp16": torch.randn(33, 17, generator=g).half(),
+        "int64": torch.arange(100_000, dtype=torch.int64),
+        "uint8": torch.zeros(5_000_000, dtype=torch.uint8),  # compresses to almost nothing
+        "bool": torch.rand(999, generator=g) > 0.5,
+        "empty": torch.empty(0, 4),
+        "step": 1,
+    }
+
+
+def test_a_compressed_remote_copy_round_trips_every_dtype_and_reads_partially(tmp_path, s3):
+    manager = CheckpointManager(
+        tmp_path / "local",
+        remote=RemoteTier(f"{s3['url']}/remote", compress=True),
+        preemption_signals=(),
+    )
+    state = _dtype_state()
+    manager.save(1, state, force=True)
+    manager.wait_for_uploads()
+    manager.close()
+    remote = f"{s3['url']}/remote/step-000000001"
+    objects = {
+        o["Key"].rsplit("/", 1)[1]: o["Size"]
+        for o in s3["client"].list_objects_v2(Bucket=s3["bucket"])["Contents"]
+    }
+    local = tmp_path / "local" / "step-000000001" / "rank00000-00000.safetensors"
+    assert "rank00000-00000.safetensors" not in objects  # only the compressed copy
+    assert objects["rank00000-00000.safetensors.zst"] < 0.75 * local.stat().st_size
+    loaded = _dtype_state()
+    for t in loaded.values():
+        if torch.is_tensor(t):
+            t.zero_()
+    shardpoint.load(loaded, remote)
+    for k, v in state.items():
+        assert torch.equal(loaded[k], v) if torch.is_tensor(v) else loaded[k] == v, k
+    assert shardpoint.verify(remote).ok
+    with shardpoint.open(remote) as reader:  # rows in the middle of the second block
+        assert torch.equal(
+            reader.get_slice("fp32")[1_100:1_103, 5:9], state["fp32"][1_100:1_103, 5:9]
+        )
+    # Any byte range of the file, as the storage layer serves it to every reader.
+    storage = open_storage(remote)
+    raw = local.read_bytes()
+    rng = random.Random(0)
+    for lo in [
+        0,
+        1,
+        4 * 1024 * 1024 - 1,
+        len(raw) - 1,
+        *(rng.randrange(len(raw)) for _ in range(20)),
+    ]:
+        hi = min(len(raw), lo + rng.choice([1, 7, 4096, 5_000_000]))
+        assert storage.read_range("rank00000-00000.safetensors", lo, hi) == raw[lo:hi]
+    assert storage.size("rank00000-00000.safetensors") == len(raw)
+
+
+def test_a_damaged_compressed_copy_is_a_typed_error_naming_it(tmp_path, s3):
+    manager = CheckpointManager(
+        tmp_path / "local",
+        remote=RemoteTier(f"{s3['url']}/remote", compress=True),
+        preemption_signals=(),
+    )
+    manager.save(1, _dtype_state(), force=True)
+    manager.wait_for_uploads()
+    manager.close()
+    key = "remote/step-000000001/rank00000-00000.safetensors.zst"
+    data = bytearray(s3["client"].get_object(Bucket=s3["bucket"], Key=key)["Body"].read())
+    data[1000] ^= 0xFF  # inside the first frame
+    s3["client"].put_object(Bucket=s3["bucket"], Key=key, Body=bytes(data))
+    remote = f"{s3['url']}/remote/step-000000001"
+    with pytest.raises(CorruptCheckpointError, match="rank00000-00000.safetensors"):
+        shardpoint.load(_dtype_state(), remote)
+    assert not shardpoint.verify(remote).ok
+    s3["client"].put_object(Bucket=s3["bucket"], Key=key, Body=bytes(data[:-3]))  # footer cut
+    with pytest.raises(CorruptCheckpointError, match="compressed"):
+        shardpoint.load(_dtype_state(), remote)
+
+
+def test_compression_is_refused_for_a_remote_that_is_not_an_object_store(tmp_path):
+    with pytest.raises(ValueError, match="object-store URL"):
+        CheckpointManager(tmp_path / "a", remote=RemoteTier(str(tmp_path / "b"), compress=True))
 
 
 def test_a_replaced_node_restores_from_the_remote_tier(tmp_path, s3):

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError, file_too_large
+from ..format import compressed
 from ..format.index import check_file_name, split_reference
 from .io_types import BLOCK, Segment
 
@@ -82,6 +85,7 @@ class ObjectStoreDirectory:
             raise CheckpointError(f"{url}: no bucket in the URL (expected {scheme}://bucket/path)")
         self.obs = _obstore()
         self.store = _store(f"{scheme}://{bucket}", storage_options or {})
+        self._tables: dict[str, compressed.Table | None] = {}  # name -> its compressed copy
 
     @property
     def where(self) -> str:
@@ -108,11 +112,12 @@ class ObjectStoreDirectory:
         return bool(self.list())
 
     def list(self) -> list[str]:
-        """Object names directly under the prefix."""
+        """File names directly under the prefix (a compressed copy by its file's name)."""
         prefix = f"{self.prefix}/" if self.prefix else ""
         with _typed_read_errors(self.where):
             listing = self.obs.list_with_delimiter(self.store, prefix=prefix or None)
-        return sorted(m["path"][len(prefix) :] for m in listing["objects"])
+        names = (m["path"][len(prefix) :] for m in listing["objects"])
+        return sorted({n.removesuffix(compressed.SUFFIX) for n in names})
 
     def subdirectories(self) -> list[str]:
         prefix = f"{self.prefix}/" if self.prefix else ""
@@ -121,6 +126,9 @@ class ObjectStoreDirectory:
         return sorted(p[len(prefix) :].rstrip("/") for p in listing["common_prefixes"])
 
     def size(self, name: str) -> int | None:
+        table = self._table(name)
+        if table is not None:
+            return table.size
         with _typed_read_errors(self.location(name)):
             try:
                 return int(self.obs.head(self.store, self._key(name))["size"])
@@ -140,7 +148,60 @@ class ObjectStoreDirectory:
                 raise file_too_large(self.location(name), size, limit)
             return bytes(result.bytes())
 
+    def _table(self, name: str) -> compressed.Table | None:
+        """The frame table of ``name``'s compressed copy, None if it is stored as is."""
+        if name not in self._tables:
+            key, where = self._key(name + compressed.SUFFIX), self.location(name)
+            with _typed_read_errors(where):
+                try:
+                    total = int(self.obs.head(self.store, key)["size"])
+                except FileNotFoundError:
+                    return None  # not cached: the plain object may appear (an upload)
+                tail = bytes(
+                    self.obs.get_range(self.store, key, start=max(0, total - 65536), end=total)
+                )
+
+                def read(lo: int, hi: int) -> bytes:
+                    return bytes(self.obs.get_range(self.store, key, start=lo, end=hi))
+
+                self._tables[name] = compressed.parse_table(tail, total, where, read)
+        return self._tables[name]
+
+    def _read_compressed(self, name: str, table: compressed.Table, lo: int, hi: int) -> bytes:
+        if hi <= lo:
+            return b""
+        if hi > table.size:
+            raise CorruptCheckpointError(f"{self.location(name)}: ends before byte {hi}")
+        frames = table.frames(lo, hi)
+        start, end = table.starts[frames.start], table.starts[frames.stop]
+        with _typed_read_errors(self.location(name)):
+            data = bytes(
+                self.obs.get_range(
+                    self.store, self._key(name + compressed.SUFFIX), start=start, end=end
+                )
+            )
+        return compressed.decompress(table, frames.start, data, lo, hi, self.location(name))
+
+    def write_compressed(
+        self, name: str, blocks: Iterator[memoryview], size: int, *, threads: int = 1
+    ) -> None:
+        """Upload ``name``'s ``size`` bytes (``blocks``, in order) as its compressed copy,
+        compressing up to ``threads`` blocks at once; visible only once complete."""
+        with ThreadPoolExecutor(max(threads, 1), "shardpoint-compress") as pool:
+            frames = compressed.compress(blocks, size, partial(_window, pool, max(threads, 1)))
+            self.obs.put(
+                self.store,
+                self._key(name + compressed.SUFFIX),
+                frames,
+                chunk_size=PART_BYTES,
+                max_concurrency=max(threads, 1),
+                use_multipart=True,
+            )
+
     def read_range(self, name: str, lo: int, hi: int) -> bytes:
+        table = self._table(name)
+        if table is not None:
+            return self._read_compressed(name, table, lo, hi)
         with _typed_read_errors(self.location(name)):
             return bytes(self.obs.get_range(self.store, self._key(name), start=lo, end=hi))
 
@@ -165,10 +226,13 @@ class ObjectStoreDirectory:
         self.write_small_durably(name, old + data)
 
     def delete(self, name: str) -> None:
-        try:
-            self.obs.delete(self.store, self._key(name))
-        except FileNotFoundError:
-            pass
+        """Delete ``name``, stored as is or compressed."""
+        self._tables.pop(name, None)
+        for key in (self._key(name), self._key(name + compressed.SUFFIX)):
+            try:
+                self.obs.delete(self.store, key)
+            except FileNotFoundError:
+                pass
 
     # Directory operations are no-ops: a prefix exists while objects are under it.
     def prepare(self) -> None:
@@ -219,6 +283,13 @@ class ObjectStoreDirectory:
                 if s.end == s.offset and on_segment:
                     on_segment(s)
             if not wanted:
+                return
+            table = self._table(name)
+            if table is not None:
+                for s in wanted:
+                    s.array[:] = memoryview(self._read_compressed(name, table, s.offset, s.end))
+                    if on_segment:
+                        on_segment(s)
                 return
             with _typed_read_errors(self.location(name)):
                 got = self.obs.get_ranges(
@@ -282,6 +353,18 @@ def _parts(segments: list[Segment], size: int) -> Iterator[memoryview]:
         pos = max(pos, s.end)
     if size > pos:
         yield memoryview(bytes(size - pos))
+
+
+def _window(pool: ThreadPoolExecutor, width: int, fn: Callable, items: Iterator[Any]) -> Iterator:
+    """``map(fn, items)`` with up to ``width`` calls at once, reading ``items`` only as
+    far ahead as that (a file's blocks are never all in memory)."""
+    pending: deque[Any] = deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= width:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 def _each(fn: Callable[[Any], None], items: list[Any], threads: int) -> None:

@@ -14,12 +14,18 @@ def copy_file(
     name: str,
     threads: int,
     target_name: str | None = None,
+    compress: bool = False,
 ) -> int:
     """Stream one file between any two storages (an object store uploads it in parallel
-    multipart parts), as ``target_name`` (default: the same name); returns its size."""
+    multipart parts), as ``target_name`` (default: the same name); returns its size.
+    ``compress``: a shard file goes to an object store as its compressed copy."""
     size = source.size(name)
     if size is None:
         raise FileNotFoundError(f"{source.location(name)}: missing")
+    if compress and name.endswith(".safetensors"):
+        blocks = source.iter_bytes(name, BLOCK)
+        target.write_compressed(target_name or name, blocks, size, threads=threads)  # type: ignore[attr-defined]
+        return size
     writer = target.open_writer(target_name or name, size, threads=threads)
     try:
         offset = 0
@@ -39,12 +45,13 @@ def copy_files(
     names: list[str],
     threads: int,
     renamed: dict[str, str] | None = None,
+    compress: bool = False,
 ) -> int:
     """Several files, a few at a time (each as ``renamed[name]`` if given); returns the
     bytes copied."""
 
     def one(name: str) -> int:
-        return copy_file(source, target, name, threads, (renamed or {}).get(name))
+        return copy_file(source, target, name, threads, (renamed or {}).get(name), compress)
 
     if len(names) <= 1:
         return sum(one(n) for n in names)

@@ -129,6 +129,10 @@ class CheckpointManager:
         io = io or IOOptions()
         if isinstance(remote, str):
             raise TypeError(f"remote must be RemoteTier({remote!r}), not a string")
+        if remote is not None and remote.compress and not is_url(remote.url):
+            raise ValueError(
+                f"{remote.url}: RemoteTier(compress=True) needs an object-store URL (s3://...)"
+            )
         asynchronous = AsyncOptions() if async_save is True else async_save or None
         if policy.continuous and asynchronous is None:
             raise ValueError("SavePolicy(continuous=True) needs async_save")
@@ -181,7 +185,12 @@ class CheckpointManager:
         if self.remote is not None:
             # Every rank uploads its own files; rank 0 commits the remote copy.
             self._uploader = Uploader(
-                self.tier, self.remote, self._upload_event, self._apply_remote_retention, io.threads
+                self.tier,
+                self.remote,
+                self._upload_event,
+                self._apply_remote_retention,
+                io.threads,
+                remote.compress,
             )
             self._uploader.notify()  # an upload a crash interrupted restarts now
 

@@ -34,10 +34,14 @@ class SavePolicy:
 @dataclass(frozen=True)
 class RemoteTier:
     """Each committed checkpoint is uploaded to ``url`` (an object store, or a shared
-    file system) in the background; ``retention`` applies there."""
+    file system) in the background; ``retention`` applies there. ``compress``: shard
+    files are stored zstd-compressed block by block (object stores only; docs/format.md,
+    "Compressed files"), which saves storage and upload bytes at the cost of CPU time:
+    docs/benchmarks.md measures when it pays."""
 
     url: str
     retention: RetentionPolicy = RetentionPolicy(keep_last=10)
+    compress: bool = False
 
 
 @dataclass(frozen=True)

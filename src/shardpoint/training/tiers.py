@@ -104,8 +104,10 @@ class Uploader:
         on_event: Callable[..., None],
         after_upload: Callable[[], None],
         threads: int,
+        compress: bool = False,
     ) -> None:
         self.local, self.remote = local, remote
+        self.compress = compress
         self.on_event = on_event
         self.after_upload = after_upload
         self.threads = threads
@@ -235,7 +237,7 @@ class Uploader:
         missing = [n for n in refs if target.size(n) != source.size(n)]
         for sibling in {split_reference(n)[0] for n in missing}:  # type: ignore[index]
             _protect(self.remote.storage, sibling, self.remote.options)
-        return copy_files(source, target, names + missing, self.threads)
+        return copy_files(source, target, names + missing, self.threads, compress=self.compress)
 
     def _commit_remote(self, step: int, raw: bytes, index: Index) -> None:
         """Rank 0: every rank's files are durable remotely; the index, then the marker."""
