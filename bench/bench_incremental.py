@@ -15,6 +15,11 @@
             managers; medians over saves 2..S (the first save of each is full).
   s3        the lora run with a remote tier on a local moto S3 server: bytes and
             seconds per upload (the ``upload`` events).
+  compress  per kind of state (bf16 frozen weights, fp32 trained weights, AdamW's
+            exp_avg and exp_avg_sq, after the pretrain run's steps): the compressed
+            size with zstd level 3 in 4 MiB blocks (``RemoteTier(compress=True)``),
+            compression and decompression GB/s on one core; and the lora run's
+            uploads to S3 with and without compression (seconds, bytes stored).
   hashes    one core's throughput of xxh3-64 (the checksums), xxh3-128 (the content
             identity) and blake3 (1 thread and all threads, if installed) over the
             same bytes, against a memcpy of them and a write + fsync of them to the
@@ -258,6 +263,7 @@ def main() -> None:
         results["hashes_gb_per_s"] = hash_rates(tmp, 512 * 1024 * 1024)
         results["lora"] = alternate(args, tmp, True, args.reps)
         results["pretrain"] = alternate(args, tmp, False, args.reps)
+        results["compression"] = compression_by_kind(args)
         if not args.skip_s3:
             results["s3"] = s3_uploads(args, tmp)
     finally:
@@ -280,20 +286,66 @@ def s3_uploads(args: argparse.Namespace, tmp: Path) -> dict[str, list]:
     os.environ.update(env)
     try:
         boto3.client("s3").create_bucket(Bucket="bench")
+        client = boto3.client("s3")
         out = {}
-        for kind in ("full", "incremental"):
+        for kind in ("full", "incremental", "incremental+compress"):
             remote = shardpoint.RemoteTier(
-                f"s3://bench/{kind}", shardpoint.RetentionPolicy(keep_last=2)
+                f"s3://bench/{kind}",
+                shardpoint.RetentionPolicy(keep_last=2),
+                compress=kind.endswith("compress"),
             )
-            run = run_saves(args, tmp / f"s3-{kind}", True, kind == "incremental", remote=remote)
-            out[kind] = [
-                {"step": e["step"], "bytes": e["bytes"], "seconds": e["seconds"]}
-                for e in run["uploads"]
-            ]
+            incremental = kind.startswith("incremental")
+            run = run_saves(args, tmp / f"s3-{kind}", True, incremental, remote=remote)
+            listing = client.list_objects_v2(Bucket="bench", Prefix=f"{kind}/")
+            out[kind] = {
+                "uploads": [
+                    {"step": e["step"], "bytes": e["bytes"], "seconds": e["seconds"]}
+                    for e in run["uploads"]
+                ],
+                "stored_bytes": sum(o["Size"] for o in listing.get("Contents", [])),
+            }
         return out
     finally:
         server.terminate()
         server.wait()
+
+
+def compression_by_kind(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    from shardpoint.format import compressed
+
+    lora_model, _ = make_job(args, True)
+    model, state = make_job(args, False)
+    for _ in range(3):
+        train_step(model, state, args.vocab)
+    kinds: dict[str, list[torch.Tensor]] = {
+        "bf16 weights (frozen base)": [p for p in lora_model.parameters() if not p.requires_grad],
+        "fp32 weights (trained)": list(model.parameters()),
+        "AdamW exp_avg fp32": [s["exp_avg"] for s in state.optimizer.state.values()],
+        "AdamW exp_avg_sq fp32": [s["exp_avg_sq"] for s in state.optimizer.state.values()],
+    }
+    out = {}
+    for kind, tensors in kinds.items():
+        raw = b"".join(t.detach().contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+        raw = raw[: 256 * 1024 * 1024]
+        blocks = [
+            memoryview(raw)[i : i + compressed.BLOCK] for i in range(0, len(raw), compressed.BLOCK)
+        ]
+        start = time.perf_counter()
+        data = b"".join(compressed.compress(iter(blocks), len(raw)))
+        seconds = time.perf_counter() - start
+        total = len(data)
+        table = compressed.parse_table(data[-65536:], total, kind, lambda lo, hi, d=data: d[lo:hi])
+        start = time.perf_counter()
+        back = compressed.decompress(table, 0, data, 0, len(raw), kind)
+        dseconds = time.perf_counter() - start
+        assert back == raw
+        out[kind] = {
+            "bytes": len(raw),
+            "ratio": len(raw) / total,
+            "compress_gb_per_s": len(raw) / seconds / 1e9,
+            "decompress_gb_per_s": len(raw) / dseconds / 1e9,
+        }
+    return out
 
 
 def report(results: dict) -> None:
@@ -315,13 +367,19 @@ def report(results: dict) -> None:
                     f"  {kind:<12} {state:9.1f} {first:11.1f} {written:11.2f} {changed:11.2f} "
                     f"{s['max_written_over_changed']:28.3f} {s['median_seconds']:8.3f}"
                 )
+    print("\nzstd level 3, 4 MiB blocks, one core (first 256 MiB of each kind):")
+    for kind, c in results["compression"].items():
+        print(
+            f"  {kind:<28} ratio {c['ratio']:5.2f}  compress {c['compress_gb_per_s']:5.2f} GB/s"
+            f"  decompress {c['decompress_gb_per_s']:5.2f} GB/s"
+        )
     if "s3" in results:
-        print("\ns3 uploads (lora), per step: MB, seconds")
-        for kind, ups in results["s3"].items():
+        print("\ns3 uploads (lora), per step: MB (uncompressed), seconds; stored at the end")
+        for kind, run in results["s3"].items():
             cells = ", ".join(
-                f"{u['step']}: {u['bytes'] / mb:.1f} MB {u['seconds']:.2f}s" for u in ups
+                f"{u['step']}: {u['bytes'] / mb:.1f} MB {u['seconds']:.2f}s" for u in run["uploads"]
             )
-            print(f"  {kind:<12} {cells}")
+            print(f"  {kind:<22} {cells}; stored {run['stored_bytes'] / mb:.1f} MB")
 
 
 if __name__ == "__main__":
