@@ -446,3 +446,33 @@ def test_export_hf_and_inspect_follow_references(tmp_path, capsys):
     assert torch.equal(tensors["adapter"], state["adapter"])
     assert cli(["inspect", str(manager.path_for(2)), "--json"]) == 0
     assert "base" in capsys.readouterr().out
+
+
+def _per_rank_values(rank: int, world: int, root: str) -> None:
+    chain = IncrementalChain()
+    mine = torch.arange(1000.0) + rank  # unchanged: referred to from the second save on
+    state = {"mine": shardpoint.PerRank({rank: {"t": mine}}), "w": torch.zeros(3)}
+    for step in (1, 2, 3):
+        state["w"].add_(1.0)
+        shardpoint.save(state, f"{root}/step-{step:09d}", incremental=chain)
+    out = {"mine": shardpoint.PerRank({rank: {"t": torch.zeros(1000)}}), "w": torch.zeros(3)}
+    shardpoint.load(out, f"{root}/step-000000003", strict=False)  # the other rank's: not here
+    assert torch.equal(out["mine"][rank]["t"], mine) and out["w"][0].item() == 3.0
+
+
+def test_a_ranks_own_values_in_its_fragment_are_referred_to_and_load(tmp_path):
+    run_ranks(2, _per_rank_values, str(tmp_path))
+    files = _index(tmp_path / "step-000000003")["files"]
+    assert "../step-000000001/rank00001-00000.safetensors" in files
+    assert shardpoint.verify(tmp_path / "step-000000003").ok
+
+
+def test_a_base_deleted_by_hand_makes_the_next_save_write_everything(tmp_path):
+    manager = _manager(tmp_path)
+    state = _lora_state()
+    manager.save(1, state, force=True)
+    shutil.rmtree(manager.path_for(1))  # not through the manager
+    info = manager.save(2, state, force=True)
+    assert info.bytes_written > FROZEN_ROWS * 1024 * 4
+    assert not any(n.startswith("../") for n in _index(manager.path_for(2))["files"])
+    assert _load(manager.path_for(2))["step"] == 0

@@ -187,6 +187,11 @@ def _refer_to_unchanged(
         plan.identify = {id(p) for p in plan.pieces}
         return [], {}
     split = unchanged(base, plan.pieces, lambda p: _piece_data(p, plan.local[p.name]), plan.tokens)
+    # Referenced files must still be there (someone may have deleted the base by hand):
+    # if one is not, this save writes everything.
+    if any(plan.storage.size(f) != size for f, size in split.files.items()):
+        plan.identify = {id(p) for p in plan.pieces}
+        return [], {}
     plan.pieces, plan.referred, plan.identify = split.to_write, split.referred, split.identify
     return split.records, split.files
 
@@ -270,9 +275,9 @@ class WriteResult:
     files: dict[str, int] = field(default_factory=dict)  # name -> size
     chunks: list[ChunkRecord] = field(default_factory=list)
     error: str | None = None
-    # The rank's fragment (size, checksum) and the files its sharded chunks are in.
+    # The rank's fragment (size, checksum) and the files of the chunks it lists.
     fragment: tuple[int, str] | None = None
-    sharded_files: list[str] = field(default_factory=list)
+    fragment_files: list[str] = field(default_factory=list)
     # Files of earlier checkpoints its chunks refer to (incremental) -> size.
     referenced: dict[str, int] = field(default_factory=dict)
 
@@ -283,7 +288,7 @@ class WriteResult:
             "chunks": chunks,
             "error": self.error,
             "fragment": self.fragment,
-            "sharded_files": self.sharded_files,
+            "fragment_files": self.fragment_files,
             "referenced": self.referenced,
         }
 
@@ -292,7 +297,7 @@ class WriteResult:
         chunks = [ChunkRecord.from_json(c) for c in doc["chunks"]]
         fragment = tuple(doc["fragment"]) if doc["fragment"] is not None else None
         return WriteResult(
-            doc["files"], chunks, doc["error"], fragment, doc["sharded_files"], doc["referenced"]
+            doc["files"], chunks, doc["error"], fragment, doc["fragment_files"], doc["referenced"]
         )
 
     def file_size(self, name: str) -> int:
@@ -337,8 +342,7 @@ def plan_save(
         per_rank = dist.is_distributed() and not dist.in_solo()
         flat = flatten(state, rank=me if per_rank else None)
         tree_here = flat.tree
-        holdings, aliases, local = _holdings(flat.tensors, to_host, flat.rank_tensors)
-        tokens = {h.name: token(local_part(flat.tensors[h.name], h.name)[0]) for h in holdings}
+        holdings, aliases, local, tokens = _holdings(flat.tensors, to_host, flat.rank_tensors)
         # One process has nothing to agree on: its plan costs less than a digest.
         own = _structure_digest(holdings, aliases) if dist.is_distributed() else None
         sharded = _sharded_entries(holdings)
@@ -618,7 +622,7 @@ def _write_fragment(plan: SavePlan, result: WriteResult) -> WriteResult:
             c for c in result.chunks if c.name not in sharded and c.name not in plan.rank_tensors
         ],
         fragment=(len(data), checksum(data)),
-        sharded_files=sorted({c.file for c in sharded.values()}),
+        fragment_files=sorted({c.file for c in [*sharded.values(), *(e.chunks[0] for e in own)]}),
         referenced=result.referenced,
     )
 
@@ -809,7 +813,7 @@ def _index(
         if node is None or (nodes is not None and nodes[rank] == node):
             files.update(r.files)  # a node's own files, even one of no chunks
         # Every node's index names every rank's sharded chunks: their files and fragment.
-        for name in [*r.sharded_files, *([fragment_file(rank)] if r.fragment else [])]:
+        for name in [*r.fragment_files, *([fragment_file(rank)] if r.fragment else [])]:
             files[name] = r.file_size(name)
     entries = {
         name: TensorEntry(
@@ -861,18 +865,20 @@ def _data_start_mod(slots: dict[str, TensorSlot], tensors: dict[str, torch.Tenso
 
 def _holdings(
     tensors: dict[str, torch.Tensor], to_host: bool, own: set[str]
-) -> tuple[list[Holding], dict[str, str], dict[str, torch.Tensor]]:
+) -> tuple[list[Holding], dict[str, str], dict[str, torch.Tensor], dict[str, Token]]:
     """What this rank holds of each tensor entry, tied tensors stored once.
 
-    Returns the holdings, alias name -> stored name (views of the same memory), and
-    name -> the local bytes as a contiguous (host, with ``to_host``) tensor. Tensors
-    named in ``own`` are this rank's alone (never planned among holders).
+    Returns the holdings, alias name -> stored name (views of the same memory), name ->
+    the local bytes as a contiguous (host, with ``to_host``) tensor, and name -> the
+    local part's token (incremental saves). Tensors named in ``own`` are this rank's
+    alone (never planned among holders).
     """
     world = dist.world_size()
     seen: dict[tuple[Any, ...], str] = {}
     holdings: list[Holding] = []
     aliases: dict[str, str] = {}
     local: dict[str, torch.Tensor] = {}
+    tokens: dict[str, Token] = {}
     for name, t in tensors.items():
         part, global_shape, offsets = local_part(t, name)
         try:
@@ -889,14 +895,14 @@ def _holdings(
                 f"cannot save tensor {name!r}: layout {part.layout} is not supported; "
                 "convert it with .to_dense() first"
             )
-        identity = None
+        memory = None
         if part.numel():  # every empty tensor has the same (null) data pointer
-            identity = (part.device, part.data_ptr(), tuple(part.shape), part.stride(), part.dtype)
-        if identity is not None and identity in seen:
-            aliases[name] = seen[identity]
+            memory = (part.device, part.data_ptr(), tuple(part.shape), part.stride(), part.dtype)
+        if memory is not None and memory in seen:
+            aliases[name] = seen[memory]
             continue
-        if identity is not None:
-            seen[identity] = name
+        if memory is not None:
+            seen[memory] = name
         sharding = regular_sharding(t, name, offsets, tuple(part.shape)) if world > 1 else None
         # A tensor of this rank's own value (PerRank) is its alone, whatever its kind.
         replicated = sharding is None and world > 1 and name not in own and may_be_replicated(t)
@@ -904,7 +910,8 @@ def _holdings(
             Holding(name, dtype, global_shape, offsets, tuple(part.shape), replicated, sharding)
         )
         local[name] = host_contiguous(part) if to_host else plain(part).contiguous()
-    return holdings, aliases, local
+        tokens[name] = token(part)
+    return holdings, aliases, local, tokens
 
 
 def _pack(
