@@ -126,14 +126,14 @@ class ObjectStoreDirectory:
         return sorted(p[len(prefix) :].rstrip("/") for p in listing["common_prefixes"])
 
     def size(self, name: str) -> int | None:
-        table = self._table(name)
-        if table is not None:
-            return table.size
+        """The size of ``name`` (of the original file, if stored compressed)."""
         with _typed_read_errors(self.location(name)):
             try:
                 return int(self.obs.head(self.store, self._key(name))["size"])
             except FileNotFoundError:
-                return None
+                pass
+        table = self._table(name)  # asked only once the plain object is not there
+        return table.size if table is not None else None
 
     def read_small(self, name: str, limit: int) -> bytes | None:
         """The whole object (None if absent), refusing one over ``limit`` bytes before
@@ -187,6 +187,7 @@ class ObjectStoreDirectory:
     ) -> None:
         """Upload ``name``'s ``size`` bytes (``blocks``, in order) as its compressed copy,
         compressing up to ``threads`` blocks at once; visible only once complete."""
+        self._tables.pop(name, None)
         with ThreadPoolExecutor(max(threads, 1), "shardpoint-compress") as pool:
             frames = compressed.compress(blocks, size, partial(_window, pool, max(threads, 1)))
             self.obs.put(
@@ -199,11 +200,16 @@ class ObjectStoreDirectory:
             )
 
     def read_range(self, name: str, lo: int, hi: int) -> bytes:
-        table = self._table(name)
-        if table is not None:
-            return self._read_compressed(name, table, lo, hi)
-        with _typed_read_errors(self.location(name)):
-            return bytes(self.obs.get_range(self.store, self._key(name), start=lo, end=hi))
+        table = self._tables.get(name)
+        if table is None:
+            try:
+                with _typed_read_errors(self.location(name)):
+                    return bytes(self.obs.get_range(self.store, self._key(name), start=lo, end=hi))
+            except FileNotFoundError:
+                table = self._table(name)
+                if table is None:
+                    raise
+        return self._read_compressed(name, table, lo, hi)
 
     def lock(self) -> _NoLock:
         """Object stores have no advisory locks: two writers to one prefix are not
@@ -218,6 +224,7 @@ class ObjectStoreDirectory:
         """An object of ``size`` bytes written piece by piece (``write(offset, data)``, in
         any order), uploaded as parallel multipart parts and visible only after
         ``close()``; ``abort()`` leaves no object."""
+        self._tables.pop(name, None)
         return _ObjectWriter(self, name, size, threads)
 
     def append_small(self, name: str, data: bytes) -> None:
@@ -284,21 +291,27 @@ class ObjectStoreDirectory:
                     on_segment(s)
             if not wanted:
                 return
-            table = self._table(name)
+            table = self._tables.get(name)
+            if table is None:  # the plain object first: no extra request when it is there
+                try:
+                    with _typed_read_errors(self.location(name)):
+                        got = self.obs.get_ranges(
+                            self.store,
+                            self._key(name),
+                            starts=[s.offset for s in wanted],
+                            ends=[s.end for s in wanted],
+                            coalesce=COALESCE,
+                        )
+                except FileNotFoundError:
+                    table = self._table(name)
+                    if table is None:
+                        raise
             if table is not None:
                 for s in wanted:
                     s.array[:] = memoryview(self._read_compressed(name, table, s.offset, s.end))
                     if on_segment:
                         on_segment(s)
                 return
-            with _typed_read_errors(self.location(name)):
-                got = self.obs.get_ranges(
-                    self.store,
-                    self._key(name),
-                    starts=[s.offset for s in wanted],
-                    ends=[s.end for s in wanted],
-                    coalesce=COALESCE,
-                )
             for s, data in zip(wanted, got):
                 view = memoryview(data)
                 if len(view) != s.end - s.offset:
