@@ -25,7 +25,8 @@
             same bytes, against a memcpy of them and a write + fsync of them to the
             same disk.
 
-    python bench/bench_incremental.py [--hidden 1024] [--layers 8] [--saves 5]
+    python bench/bench_incremental.py [--hidden 1024] [--layers 8] [--saves 5] [--reps 2]
+                                      [--parts hashes,lora,pretrain,compression,s3]
 
 Prints a table, writes bench/results/incremental.json.
 """
@@ -255,21 +256,27 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--saves", type=int, default=5)
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--skip-s3", action="store_true")
+    p.add_argument("--parts", default="hashes,lora,pretrain,compression,s3")
     args = p.parse_args()
+    parts = args.parts.split(",")
     tmp = Path(tempfile.mkdtemp(prefix="sp-incremental-", dir=os.environ.get("BENCH_DIR")))
     try:
         results: dict[str, object] = {"args": vars(args)}
-        results["hashes_gb_per_s"] = hash_rates(tmp, 512 * 1024 * 1024)
-        results["lora"] = alternate(args, tmp, True, args.reps)
-        results["pretrain"] = alternate(args, tmp, False, args.reps)
-        results["compression"] = compression_by_kind(args)
-        if not args.skip_s3:
+        if "hashes" in parts:
+            results["hashes_gb_per_s"] = hash_rates(tmp, 512 * 1024 * 1024)
+        if "lora" in parts:
+            results["lora"] = alternate(args, tmp, True, args.reps)
+        if "pretrain" in parts:
+            results["pretrain"] = alternate(args, tmp, False, args.reps)
+        if "compression" in parts:
+            results["compression"] = compression_by_kind(args)
+        if "s3" in parts:
             results["s3"] = s3_uploads(args, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "incremental.json").write_text(json.dumps(results, indent=1))
+    name = "incremental.json" if len(parts) == 5 else f"incremental-{'-'.join(parts)}.json"
+    (RESULTS / name).write_text(json.dumps(results, indent=1))
     report(results)
 
 
@@ -351,9 +358,9 @@ def compression_by_kind(args: argparse.Namespace) -> dict[str, dict[str, float]]
 def report(results: dict) -> None:
     mb = 1e6
     print("\nhash / copy / write throughput, one 512 MiB buffer (GB/s):")
-    for name, r in results["hashes_gb_per_s"].items():
+    for name, r in results.get("hashes_gb_per_s", {}).items():
         print(f"  {name:<22} {r:7.2f}")
-    for job in ("lora", "pretrain"):
+    for job in [j for j in ("lora", "pretrain") if j in results]:
         print(f"\n{job}: medians of saves 2..S (each run: {results['args']['saves']} saves)")
         print(
             f"  {'kind':<12} {'state MB':>9} {'1st save MB':>11} {'written MB':>11} "
@@ -368,7 +375,7 @@ def report(results: dict) -> None:
                     f"{s['max_written_over_changed']:28.3f} {s['median_seconds']:8.3f}"
                 )
     print("\nzstd level 3, 4 MiB blocks, one core (first 256 MiB of each kind):")
-    for kind, c in results["compression"].items():
+    for kind, c in results.get("compression", {}).items():
         print(
             f"  {kind:<28} ratio {c['ratio']:5.2f}  compress {c['compress_gb_per_s']:5.2f} GB/s"
             f"  decompress {c['decompress_gb_per_s']:5.2f} GB/s"

@@ -410,6 +410,12 @@ def test_a_compressed_remote_copy_round_trips_every_dtype_and_reads_partially(tm
         hi = min(len(raw), lo + rng.choice([1, 7, 4096, 5_000_000]))
         assert storage.read_range("rank00000-00000.safetensors", lo, hi) == raw[lo:hi]
     assert storage.size("rank00000-00000.safetensors") == len(raw)
+    for small in (b"", b"x" * 1000):  # one frame: one PUT
+        storage.write_compressed(
+            "rank00009-00000.safetensors", iter([memoryview(small)]), len(small)
+        )
+        assert storage.read_range("rank00009-00000.safetensors", 0, len(small)) == small
+        assert storage.size("rank00009-00000.safetensors") == len(small)
 
 
 def test_a_damaged_compressed_copy_is_a_typed_error_naming_it(tmp_path, s3):

@@ -188,11 +188,15 @@ class ObjectStoreDirectory:
         """Upload ``name``'s ``size`` bytes (``blocks``, in order) as its compressed copy,
         compressing up to ``threads`` blocks at once; visible only once complete."""
         self._tables.pop(name, None)
+        key = self._key(name + compressed.SUFFIX)
+        if size <= compressed.BLOCK:  # one frame: one PUT, no threads, no multipart
+            self.obs.put(self.store, key, b"".join(compressed.compress(blocks, size)))
+            return
         with ThreadPoolExecutor(max(threads, 1), "shardpoint-compress") as pool:
             frames = compressed.compress(blocks, size, partial(_window, pool, max(threads, 1)))
             self.obs.put(
                 self.store,
-                self._key(name + compressed.SUFFIX),
+                key,
                 frames,
                 chunk_size=PART_BYTES,
                 max_concurrency=max(threads, 1),
@@ -200,6 +204,8 @@ class ObjectStoreDirectory:
             )
 
     def read_range(self, name: str, lo: int, hi: int) -> bytes:
+        if hi <= lo:  # stores refuse empty ranges
+            return b""
         table = self._tables.get(name)
         if table is None:
             try:
