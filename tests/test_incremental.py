@@ -238,6 +238,7 @@ def test_a_missing_referenced_file_is_a_typed_error(tmp_path):
         "../a/b/c.safetensors",
         "..//x.safetensors",
         "/abs/x.safetensors",
+        "../step-000000001/passwd",  # a reference names a shard file, nothing else
     ],
 )
 def test_a_reference_that_leaves_the_parent_directory_is_refused(tmp_path, name):
@@ -476,3 +477,36 @@ def test_a_base_deleted_by_hand_makes_the_next_save_write_everything(tmp_path):
     assert info.bytes_written > FROZEN_ROWS * 1024 * 4
     assert not any(n.startswith("../") for n in _index(manager.path_for(2))["files"])
     assert _load(manager.path_for(2))["step"] == 0
+
+
+def test_retention_that_cannot_read_a_kept_index_keeps_every_shard_file(tmp_path, monkeypatch):
+    """What a kept checkpoint refers to must be known before a file is deleted: when its
+    index cannot be read (an I/O error), the checkpoints retention deletes keep every
+    shard file (under a PRUNED note), and nothing pruned earlier is cleared."""
+    manager = _manager(tmp_path, keep_last=1)
+    state = _lora_state()
+    for step in (1, 2):
+        _train(state, step)
+        manager.save(step, state, force=True)
+    real = LocalDirectory.read_small
+
+    def failing(self, name, limit):  # noqa: ANN001, ANN202
+        if name == "index.json" and self.root.name == "step-000000003":
+            raise CorruptCheckpointError(f"{self.root}: Input/output error")
+        return real(self, name, limit)
+
+    monkeypatch.setattr(LocalDirectory, "read_small", failing)
+    _train(state, 3)
+    manager.save(3, state, force=True)
+    monkeypatch.setattr(LocalDirectory, "read_small", real)
+    assert manager.steps() == [3]
+    for step in (1, 2):
+        assert sorted(os.listdir(manager.path_for(step))) == [
+            PRUNED_NAME,
+            "rank00000-00000.safetensors",
+        ]
+    assert _load(manager.path_for(3))["step"] == 3
+    # Readable again: the next retention clears what nothing refers to.
+    _train(state, 4)
+    manager.save(4, state, force=True)
+    assert not manager.path_for(2).exists() and (manager.path_for(1) / PRUNED_NAME).exists()

@@ -440,6 +440,43 @@ def test_a_damaged_compressed_copy_is_a_typed_error_naming_it(tmp_path, s3):
         shardpoint.load(_dtype_state(), remote)
 
 
+def test_an_upload_never_writes_into_a_remote_step_of_another_run(tmp_path, s3):
+    """The remote holds step 1 of another run (same names and sizes); step 2 of this
+    run refers to its own step 1: the upload fails saying so, and the remote's step 1
+    stays as it was."""
+    remote = f"{s3['url']}/remote"
+    other = CheckpointManager(tmp_path / "other", remote=RemoteTier(remote), preemption_signals=())
+    other.save(1, _state(5), force=True)
+    other.close()
+    mine = CheckpointManager(tmp_path / "mine", incremental=True, preemption_signals=())
+    state = _state(6)
+    mine.save(1, state, force=True)
+    state["small"]["0"].add_(1.0)
+    mine.save(2, state, force=True)
+    mine.close()
+    before = shardpoint.open(f"{remote}/step-000000001").get("big").clone()
+    tiered = CheckpointManager(tmp_path / "mine", remote=RemoteTier(remote), preemption_signals=())
+    with pytest.warns(UserWarning, match="another checkpoint than the local step-000000001"):
+        tiered.wait_for_uploads()
+    tiered.close()
+    assert tiered.remote_steps() == [1]
+    assert torch.equal(shardpoint.open(f"{remote}/step-000000001").get("big"), before)
+
+
+def test_codec_refuses_a_frame_whose_header_claims_another_size():
+    from shardpoint.format import compressed
+
+    good = b"".join(compressed.compress(iter([memoryview(b"a" * 1000)]), 1000))
+    table = compressed.parse_table(good, len(good), "f", lambda lo, hi: good[lo:hi])
+    bomb = compressed._zstd().ZstdCompressor().compress(b"\0" * 10_000_000)
+    with pytest.raises(CorruptCheckpointError, match="another size"):
+        compressed.decompress(table, 0, bomb, 0, 1000, "f")
+    with pytest.raises(CorruptCheckpointError, match="impossible length"):
+        compressed.parse_table(
+            good[:-16] + (10**12).to_bytes(8, "little") + good[-8:], len(good), "f", None
+        )
+
+
 def test_compression_is_refused_for_a_remote_that_is_not_an_object_store(tmp_path):
     with pytest.raises(ValueError, match="object-store URL"):
         CheckpointManager(tmp_path / "a", remote=RemoteTier(str(tmp_path / "b"), compress=True))

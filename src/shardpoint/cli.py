@@ -472,18 +472,24 @@ def _prune(args: argparse.Namespace) -> int:
     committed = [r for r in rows if r["status"] not in ("uncommitted", "pruned")]
     keep = {r["path"] for r in committed[-args.keep_last :]}
     delete = [r for r in committed if r["path"] not in keep]
-    # Files the kept checkpoints refer to (incremental saves) stay, in a pruned directory.
+    # Files the kept checkpoints refer to (incremental saves) stay, in a pruned
+    # directory; if a kept one cannot be read, every shard file of the deleted ones does.
     referenced = referenced_files(args.path, [_name(p) for p in keep], None)
-    pruned = [r for r in rows if r["status"] == "pruned"]
+    pruned = [r for r in rows if r["status"] == "pruned"] if referenced is not None else []
+
+    def kept(path: str) -> set[str]:
+        if referenced is not None:
+            return referenced.get(_name(path), set())
+        return {n for n in open_storage(path).list() if n.endswith(".safetensors")}
+
+    keeps = {r["path"]: kept(r["path"]) for r in delete + pruned}
     for r in delete + pruned if not args.dry_run else []:
-        Commit(open_storage(r["path"])).delete(referenced.get(_name(r["path"]), ()))
+        Commit(open_storage(r["path"])).delete(keeps[r["path"]])
     doc = {
         "dry_run": args.dry_run,
         "deleted": [r["path"] for r in delete],
         "kept": sorted(keep),
-        "kept_for_references": sorted(
-            r["path"] for r in delete + pruned if referenced.get(_name(r["path"]))
-        ),
+        "kept_for_references": sorted(path for path, files in keeps.items() if files),
         # An uncommitted directory may be a save in progress: never touched here.
         "left_alone_uncommitted": [r["path"] for r in rows if r["status"] == "uncommitted"],
     }

@@ -13,10 +13,11 @@ at all), ``sync`` has nothing to do and there is no lock.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Iterable
 
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
-from .format.index import marker_json
+from .format.index import checkpoint_id, marker_json
 from .names import INDEX_NAME, MARKER_NAME, PRUNED_NAME, is_own_file
 from .storage import CheckpointStorage, WriterLock
 
@@ -110,11 +111,28 @@ class Commit:
             self._lock = lock
             return
 
-    def finish(self, index: bytes) -> None:
-        """Make the checkpoint visible: the index durable first, then the marker."""
+    def finish(self, index: bytes, checkpoint: str | None = None) -> None:
+        """Make the checkpoint visible: the index durable first, then the marker
+        (``checkpoint``: see ``marker_json``)."""
         self.storage.write_small_durably(INDEX_NAME, index)
         self.storage.sync()
-        self.storage.write_small_durably(MARKER_NAME, marker_json(index))
+        self.storage.write_small_durably(MARKER_NAME, marker_json(index, checkpoint))
+        self.storage.sync()
+
+    def identity(self) -> str | None:
+        """Which checkpoint this directory holds, or held before it was pruned (its
+        marker's or its ``PRUNED`` note's ``checkpoint``); None if neither says."""
+        for note in (MARKER_NAME, PRUNED_NAME):
+            raw = self.storage.read_small(note, 64 * 1024)
+            if raw is not None:
+                return checkpoint_id(raw)
+        return None
+
+    def mark_pruned(self, checkpoint: str | None, kept: list[str]) -> None:
+        """Write the ``PRUNED`` note (durably): this directory keeps files of checkpoint
+        ``checkpoint`` that other checkpoints refer to; no save may clear them."""
+        note = {"checkpoint": checkpoint, "kept": sorted(kept)}
+        self.storage.write_small_durably(PRUNED_NAME, json.dumps(note).encode())
         self.storage.sync()
 
     def release(self) -> None:
@@ -160,8 +178,7 @@ class Commit:
             names = self.storage.list()
             kept = [n for n in names if n in keep]
             if kept and PRUNED_NAME not in names:
-                self.storage.write_small_durably(PRUNED_NAME, "\n".join(kept).encode())
-                self.storage.sync()
+                self.mark_pruned(self.identity(), kept)
             if self.is_committed():
                 self.storage.delete(MARKER_NAME)
                 self.storage.sync()

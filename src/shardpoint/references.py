@@ -33,39 +33,44 @@ class References:
         self.parent, self.options = parent, options
         self._cache: _Cache = {}
 
-    def files(self, directories: Iterable[str]) -> dict[str, set[str]]:
+    def files(self, directories: Iterable[str]) -> dict[str, set[str]] | None:
         """Sibling directory name -> its files that the committed checkpoints in
-        ``directories`` (names under the parent) refer to.
+        ``directories`` (names under the parent) refer to; None if that cannot be told.
 
-        An index that cannot be read refers to nothing: its checkpoint is already
-        invalid, and keeping bytes for it would keep them forever.
+        None when a marker or an index cannot be *read* (an I/O error, a special file,
+        a store that is down): the caller must then keep every file it would delete,
+        never guess. An index that is there but does not parse refers to nothing: its
+        checkpoint is invalid for good, and keeping bytes for it would keep them forever.
         """
         out: dict[str, set[str]] = {}
         for name in directories:
-            for sibling, file in self._of(name):
+            try:
+                refs = self._of(name)
+            except CheckpointError:
+                return None
+            for sibling, file in refs:
                 out.setdefault(sibling, set()).add(file)
         return out
 
     def _of(self, name: str) -> set[tuple[str, str]]:
         storage = open_storage(join(self.parent, name), self.options)
-        try:
-            marker = storage.read_small(MARKER_NAME, MAX_MARKER_BYTES)
-            if marker is None:
-                return set()
-            key = (name, marker)
-            if key not in self._cache:
-                raw = storage.read_small(INDEX_NAME, MAX_INDEX_BYTES)
+        marker = storage.read_small(MARKER_NAME, MAX_MARKER_BYTES)
+        if marker is None:
+            return set()  # not (or no longer) a checkpoint: refers to nothing
+        key = (name, marker)
+        if key not in self._cache:
+            raw = storage.read_small(INDEX_NAME, MAX_INDEX_BYTES)
+            try:
                 files = json.loads(raw)["files"] if raw is not None else {}
-                self._cache[key] = {
-                    r for f in files if isinstance(f, str) and (r := split_reference(f))
-                }
-            return self._cache[key]
-        except (CheckpointError, ValueError, KeyError, TypeError, RecursionError):
-            return set()
+                refs = {r for f in files if isinstance(f, str) and (r := split_reference(f))}
+            except (ValueError, KeyError, TypeError, RecursionError):
+                refs = set()
+            self._cache[key] = refs
+        return self._cache[key]
 
 
 def referenced_files(
     parent: str | os.PathLike[str], directories: Iterable[str], options: dict[str, Any] | None
-) -> dict[str, set[str]]:
+) -> dict[str, set[str]] | None:
     """``References(parent, options).files(directories)``, without a cache."""
     return References(parent, options).files(directories)

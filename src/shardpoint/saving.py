@@ -570,7 +570,10 @@ def _commit(
         written, files = sum(result.files.values()), len(result.files)
     outcome, per_node = dist.broadcast_json([outcome, per_node], 0, plan.group)
     if plan.per_node and outcome is None:
-        outcome = _commit_every_node(plan, per_node[str(dist.node_rank())].encode())
+        # Every node's copy names the checkpoint by the first node's index (the one the
+        # remote copy gets), so copies of one checkpoint are known as such.
+        first = checksum(per_node[str(plan.structures[0]["node"])].encode())
+        outcome = _commit_every_node(plan, per_node[str(dist.node_rank())].encode(), first)
     if outcome:
         # Only the committing rank removes the directory: another rank's files may still
         # be in flight when a fast-failing rank gets here.
@@ -627,14 +630,14 @@ def _write_fragment(plan: SavePlan, result: WriteResult) -> WriteResult:
     )
 
 
-def _commit_every_node(plan: SavePlan, index: bytes) -> str | None:
+def _commit_every_node(plan: SavePlan, index: bytes, checkpoint: str) -> str | None:
     """Node-local directories: each node's first rank commits its node's copy. If any
     node fails, the others withdraw theirs (marker first): a copy that looks committed
     on one node must mean every node's part is durable."""
     error = None
     if plan.commit is not None:
         try:
-            plan.commit.finish(index)
+            plan.commit.finish(index, checkpoint)
         except Exception as exc:
             error = f"rank {plan.rank} (commit): {exc}"
     errors = [e for e in dist.all_gather_json(error, plan.group) if e]

@@ -24,6 +24,8 @@ SUFFIX = ".zst"
 MAGIC = b"SPZSTD01"
 FOOTER = 16
 BLOCK = 4 * 1024 * 1024  # partial reads fetch at most one extra block at each end
+MAX_BLOCK = 64 * 1024 * 1024  # what a reader accepts: one block is held in memory
+MAX_TABLE = 64 * 1024 * 1024  # ~8 million frames: 32 TB of file at the default block
 LEVEL = 3
 _TABLE_FORMAT = "shardpoint-compressed"
 _DAMAGED = "the copy is damaged, load another one"
@@ -92,8 +94,8 @@ def parse_table(footer_and_more: bytes, total: int, where: str, read: Callable) 
     if total < FOOTER or len(footer_and_more) < FOOTER or footer_and_more[-8:] != MAGIC:
         raise CorruptCheckpointError(f"{where}: not a shardpoint compressed file")
     (n,) = struct.unpack("<Q", footer_and_more[-FOOTER:-8])
-    if n > total - FOOTER:
-        raise CorruptCheckpointError(f"{where}: its frame table is larger than the file")
+    if not 0 < n <= min(total - FOOTER, MAX_TABLE):
+        raise CorruptCheckpointError(f"{where}: its frame table has an impossible length {n}")
     tail = footer_and_more[:-FOOTER]
     raw = tail[-n:] if len(tail) >= n else read(total - FOOTER - n, total - FOOTER)
     try:
@@ -102,7 +104,9 @@ def parse_table(footer_and_more: bytes, total: int, where: str, read: Callable) 
         ok = doc.get("format") == _TABLE_FORMAT and doc.get("codec") == "zstd"
     except (ValueError, KeyError, TypeError, RecursionError):
         ok = False
-    if not ok or not int_in(size) or not int_in(block, 1) or type(sizes) is not list:
+    if not ok or not int_in(size) or not int_in(block, 1) or block > MAX_BLOCK:
+        raise CorruptCheckpointError(f"{where}: its frame table is malformed")
+    if type(sizes) is not list:
         raise CorruptCheckpointError(f"{where}: its frame table is malformed")
     if len(sizes) != max(1, -(-size // block)) or not all(int_in(s, 1) for s in sizes):
         raise CorruptCheckpointError(f"{where}: its frame table does not fit its size")
@@ -124,7 +128,11 @@ def decompress(table: Table, first: int, data: bytes, lo: int, hi: int, where: s
         expected = min(table.block, table.size - i * table.block)
         frame = data[table.starts[i] - base : table.starts[i + 1] - base]
         try:
-            block = zstd.ZstdDecompressor().decompress(frame, max_output_size=expected)
+            # The frame's own header says its size: check it before inflating anything
+            # (a damaged or hostile header must not make a reader allocate gigabytes).
+            if zstd.frame_content_size(frame) != expected:
+                raise zstd.ZstdError(f"its header says another size than {expected} bytes")
+            block = zstd.ZstdDecompressor().decompress(frame)
         except zstd.ZstdError as exc:
             raise CorruptCheckpointError(
                 f"{where}: block {i} cannot be decompressed ({exc}); {_DAMAGED}"

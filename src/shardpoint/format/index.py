@@ -47,7 +47,7 @@ _PLAIN = r"(?!\.)[A-Za-z0-9._-]{1,200}"
 _FILE_NAME = re.compile(_PLAIN)  # fullmatch: "$" passes a "\n"
 # Version 3: a file of a sibling checkpoint (same parent directory or prefix), which
 # an incremental save refers to instead of writing the same bytes again.
-_REFERENCE = re.compile(rf"\.\./({_PLAIN})/({_PLAIN})")
+_REFERENCE = re.compile(rf"\.\./({_PLAIN})/(rank\d{{5}}-\d{{5}}\.safetensors)")
 _CHECKSUM = re.compile(r"[0-9a-f]{16}")
 _DAMAGED = "the checkpoint is damaged, load an earlier one"
 
@@ -238,13 +238,13 @@ def split_reference(name: str) -> tuple[str, str] | None:
 
 
 def check_file_name(name: object, where: str) -> str:
-    """A plain name inside the checkpoint directory, or a reference to a file of a
-    sibling checkpoint (``../DIR/NAME``, both plain)."""
+    """A plain name inside the checkpoint directory, or a reference to a shard file of
+    a sibling checkpoint (``../DIR/rankRRRRR-KKKKK.safetensors``, ``DIR`` plain)."""
     if not isinstance(name, str) or not (_FILE_NAME.fullmatch(name) or _REFERENCE.fullmatch(name)):
         raise CorruptCheckpointError(
             f"{where}: refusing file name {name!r}: shard files must be plain names inside "
-            "the checkpoint directory (no '/', no '..', not absolute), or ../DIR/NAME for "
-            "a file of a sibling checkpoint"
+            "the checkpoint directory (no '/', no '..', not absolute), or "
+            "../DIR/rankRRRRR-KKKKK.safetensors for a shard file of a sibling checkpoint"
         )
     return name
 
@@ -600,8 +600,24 @@ def _sweep_disjoint(boxes: list[Box]) -> bool:
     return True
 
 
-def marker_json(index_bytes: bytes) -> bytes:
-    return json.dumps({"format": FORMAT_NAME, "index_checksum": checksum(index_bytes)}).encode()
+def marker_json(index_bytes: bytes, checkpoint: str | None = None) -> bytes:
+    """The marker of a commit of ``index_bytes``. ``checkpoint`` names the checkpoint
+    across its copies (node-local copies have an index each; the remote copy has the
+    first node's): the checksum of that index, which is the default."""
+    digest = checksum(index_bytes)
+    doc = {"format": FORMAT_NAME, "index_checksum": digest, "checkpoint": checkpoint or digest}
+    return json.dumps(doc).encode()
+
+
+def checkpoint_id(note: bytes) -> str | None:
+    """The ``checkpoint`` a marker or a ``PRUNED`` note names (older markers: their
+    index checksum); None if unreadable."""
+    try:
+        doc = json.loads(note.decode("utf-8"))
+        found = doc.get("checkpoint", doc.get("index_checksum"))
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
 
 
 def check_marker(marker: bytes, index_bytes: bytes, where: str) -> None:

@@ -151,7 +151,7 @@ class ObjectStoreDirectory:
     def _table(self, name: str) -> compressed.Table | None:
         """The frame table of ``name``'s compressed copy, None if it is stored as is."""
         if name not in self._tables:
-            key, where = self._key(name + compressed.SUFFIX), self.location(name)
+            key, where = self._key(name) + compressed.SUFFIX, self.location(name)
             with _typed_read_errors(where):
                 try:
                     total = int(self.obs.head(self.store, key)["size"])
@@ -177,7 +177,7 @@ class ObjectStoreDirectory:
         with _typed_read_errors(self.location(name)):
             data = bytes(
                 self.obs.get_range(
-                    self.store, self._key(name + compressed.SUFFIX), start=start, end=end
+                    self.store, self._key(name) + compressed.SUFFIX, start=start, end=end
                 )
             )
         return compressed.decompress(table, frames.start, data, lo, hi, self.location(name))
@@ -188,7 +188,7 @@ class ObjectStoreDirectory:
         """Upload ``name``'s ``size`` bytes (``blocks``, in order) as its compressed copy,
         compressing up to ``threads`` blocks at once; visible only once complete."""
         self._tables.pop(name, None)
-        key = self._key(name + compressed.SUFFIX)
+        key = self._key(name) + compressed.SUFFIX
         if size <= compressed.BLOCK:  # one frame: one PUT, no threads, no multipart
             self.obs.put(self.store, key, b"".join(compressed.compress(blocks, size)))
             return
@@ -241,7 +241,7 @@ class ObjectStoreDirectory:
     def delete(self, name: str) -> None:
         """Delete ``name``, stored as is or compressed."""
         self._tables.pop(name, None)
-        for key in (self._key(name), self._key(name + compressed.SUFFIX)):
+        for key in (self._key(name), self._key(name) + compressed.SUFFIX):
             try:
                 self.obs.delete(self.store, key)
             except FileNotFoundError:

@@ -228,13 +228,16 @@ class CheckpointManager:
             except CheckpointError as exc:  # unreadable, or a store that is down
                 self._cannot_delete(tier.root, exc)
                 continue
+            pruned = [s for s in leftovers if tier.commit_of(s).is_pruned()]
             try:  # files the committed checkpoints refer to stay
-                references = tier.references(tier.steps()) if leftovers else {}
-            except CheckpointError as exc:
+                references = tier.references(tier.steps()) if pruned else {}
+            except CheckpointError as exc:  # the listing failed: clean up next time
                 self._cannot_delete(tier.root, exc)
                 continue
             for step in leftovers:
-                if tier.unreferenced(step, references.get(step, ())):
+                if step not in pruned:  # a crashed save or upload: nothing refers to it
+                    self._delete(tier, step, "cleanup")
+                elif references is not None and tier.unreferenced(step, references.get(step, ())):
                     self._delete(tier, step, "cleanup", keep=references.get(step, ()))
 
     def _delete(
@@ -601,11 +604,12 @@ class CheckpointManager:
         """Delete the checkpoints of ``steps`` not in ``keep``, keeping every file a kept
         one refers to (incremental saves); then what is left of deleted ones that no
         kept checkpoint refers to any more."""
-        references = source.references(sorted(keep))
+        references = source.references(sorted(keep))  # None: a kept one is unreadable
         for step in steps:
             if step not in keep:
-                self._delete(source, step, "delete", references.get(step, ()), **fields)
-        for step in source.pruned():
+                kept = source.kept_files(step, references)
+                self._delete(source, step, "delete", kept, **fields)
+        for step in source.pruned() if references is not None else []:
             if step not in keep and source.unreferenced(step, references.get(step, ())):
                 self._delete(source, step, "cleanup", references.get(step, ()), **fields)
 

@@ -76,10 +76,20 @@ class CheckpointTier:
         """Deleted checkpoints whose files other checkpoints referred to."""
         return [s for s in self.step_dirs() if self.commit_of(s).is_pruned()]
 
-    def references(self, steps: Iterable[int]) -> dict[int, set[str]]:
-        """Step -> its files that the committed checkpoints of ``steps`` refer to."""
+    def references(self, steps: Iterable[int]) -> dict[int, set[str]] | None:
+        """Step -> its files that the committed checkpoints of ``steps`` refer to; None
+        if one of them cannot be read (then nothing may be deleted on a guess)."""
         by_dir = self._references.files([step_dir(s) for s in steps])
+        if by_dir is None:
+            return None
         return {s: files for d, files in by_dir.items() if (s := parse_step_dir(d)) is not None}
+
+    def kept_files(self, step: int, references: dict[int, set[str]] | None) -> set[str]:
+        """What deleting ``step`` must keep: what ``references`` says others read, or,
+        when they could not be read, every shard file of it."""
+        if references is not None:
+            return references.get(step, set())
+        return {n for n in self.open(step).list() if n.endswith(".safetensors")}
 
     def unreferenced(self, step: int, keep: Collection[str]) -> bool:
         """Whether an uncommitted step directory holds anything beyond the files in
@@ -217,6 +227,11 @@ class Uploader:
         target = self.remote.commit_of(step)
         if target.is_committed():
             return "committed"
+        if target.is_pruned():  # its files are read by newer remote checkpoints
+            raise CheckpointError(
+                f"{target.storage.where}: a deleted remote checkpoint whose files newer "
+                "remote checkpoints still read; this step is not uploaded again"
+            )
         target.abort([n for n in target.storage.list() if is_own_file(n)], remove_directory=False)
         source = self.local.open(step)
         raw = source.read_small(INDEX_NAME, MAX_INDEX_BYTES)
@@ -232,12 +247,39 @@ class Uploader:
             raise FileNotFoundError(f"{source.where}: not committed in the local tier")
         names = [n for n in source.list() if writer_rank(n) == self.rank and n in wanted]
         target = self.remote.open(step)
-        # Files of earlier checkpoints it refers to: only those the remote lacks.
         refs = [n for n in wanted if split_reference(n) and writer_rank(n) == self.rank]
-        missing = [n for n in refs if target.size(n) != source.size(n)]
-        for sibling in {split_reference(n)[0] for n in missing}:  # type: ignore[index]
-            _protect(self.remote.storage, sibling, self.remote.options)
+        missing = self._referenced_missing(step, refs, source, target)
         return copy_files(source, target, names + missing, self.threads, compress=self.compress)
+
+    def _referenced_missing(
+        self, step: int, refs: list[str], source: CheckpointStorage, target: CheckpointStorage
+    ) -> list[str]:
+        """Of the files of earlier checkpoints ``step`` refers to, those the remote
+        lacks. A remote sibling must hold the same checkpoint as the local one (its
+        marker's or ``PRUNED`` note's ``checkpoint``), or none yet: then it is marked
+        pruned for that checkpoint before its files arrive. Another checkpoint of the
+        same step there (a run that went back and saved it again) is never written
+        into: the upload fails, saying so."""
+        missing = []
+        for sibling in sorted({split_reference(n)[0] for n in refs}):  # type: ignore[index]
+            files = [n for n in refs if split_reference(n)[0] == sibling]  # type: ignore[index]
+            local = Commit(open_storage(join(self.local.root, sibling), self.local.options))
+            remote = Commit(open_storage(join(self.remote.root, sibling), self.remote.options))
+            ours, theirs = local.identity(), remote.identity()
+            if not remote.is_committed() and not remote.is_pruned():
+                # Nothing there, or what an interrupted upload left (nothing refers to
+                # files of a directory without a marker or a note): ours from now on.
+                remote.mark_pruned(ours, [])
+                missing += files
+            elif ours is not None and theirs == ours:
+                missing += [n for n in files if target.size(n) != source.size(n)]
+            else:
+                raise CheckpointError(
+                    f"{remote.storage.where}: holds another checkpoint than the local "
+                    f"{sibling} that step {step} refers to; uploading it would mix two "
+                    "runs. Delete that remote step (or use a new remote directory)."
+                )
+        return missing
 
     def _commit_remote(self, step: int, raw: bytes, index: Index) -> None:
         """Rank 0: every rank's files are durable remotely; the index, then the marker."""
@@ -247,15 +289,6 @@ class Uploader:
         if missing:  # a rank of another world size wrote them: nobody here uploads them
             raise FileNotFoundError(f"not uploaded by any rank: {sorted(missing)[:3]}")
         self.remote.commit_of(step).finish(raw)
-
-
-def _protect(parent: CheckpointStorage, sibling: str, options: dict[str, Any] | None) -> None:
-    """A remote directory that receives files a newer checkpoint refers to, without
-    being a committed checkpoint itself, is marked pruned first: no clean-up then takes
-    those files for a crashed upload's leftovers."""
-    storage = open_storage(join(parent.root, sibling), options)
-    if not Commit(storage).is_committed() and storage.size(PRUNED_NAME) is None:
-        storage.write_small_durably(PRUNED_NAME, b"")
 
 
 def _try(fn: Callable[[], Any]) -> Any:
