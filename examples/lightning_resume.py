@@ -1,0 +1,99 @@
+"""PyTorch Lightning with shardpoint checkpoints, killed and resumed exactly.
+
+    python examples/lightning_resume.py --run-dir runs/lt/a --steps 40
+    python examples/lightning_resume.py --run-dir runs/lt/b --steps 40 --crash-at 23
+    python examples/lightning_resume.py --run-dir runs/lt/b --steps 40      # resumes
+
+A small MLP with dropout on random regression data, AdamW with a step schedule, a
+torchdata ``StatefulDataLoader`` (seeded shuffling), a checkpoint every 5 steps by
+``ModelCheckpoint`` (``last.ckpt``) written by ``ShardpointCheckpointIO``, and the
+random streams saved by ``ResumableRNG``. Every step's loss goes to
+``RUN_DIR/losses.jsonl`` (``float.hex``); ``--crash-at STEP`` SIGKILLs the process
+after that step. Started again, it resumes from ``last.ckpt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import RandomSampler
+
+from shardpoint.integrations.lightning import ResumableRNG, ShardpointCheckpointIO
+
+
+class Regressor(L.LightningModule):
+    def __init__(self, log: Path) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
+        self.log_path = log
+
+    def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
+        x, y = batch[:, :8], batch[:, 8:]
+        loss = nn.functional.mse_loss(self.net(x), y)
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps({"step": self.global_step + 1, "loss": loss.item().hex()}) + "\n")
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 7, 0.5)}
+
+
+class CrashAt(L.Callback):
+    def __init__(self, step: int | None) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--crash-at", type=int, default=None)
+    p.add_argument("--without-rng", action="store_true", help="leave ResumableRNG out")
+    args = p.parse_args(argv)
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    data = torch.randn(100, 9, generator=torch.Generator().manual_seed(1))
+    # The sampler owns its generator: torchdata saves it (not a loader's ``generator``).
+    sampler = RandomSampler(data, generator=torch.Generator().manual_seed(2))
+    loader = StatefulDataLoader(data, batch_size=8, sampler=sampler)
+    checkpoints = args.run_dir / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    trainer = L.Trainer(
+        max_steps=args.steps,
+        plugins=[ShardpointCheckpointIO()],
+        callbacks=[
+            *([] if args.without_rng else [ResumableRNG()]),
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=checkpoints, every_n_train_steps=5, save_last=True
+            ),
+            CrashAt(args.crash_at),
+        ],
+        default_root_dir=args.run_dir,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    model = Regressor(args.run_dir / "losses.jsonl")
+    trainer.fit(model, loader, ckpt_path="last" if last.exists() else None)
+    weights = {k: v.tolist() for k, v in model.state_dict().items()}
+    (args.run_dir / "final.json").write_text(json.dumps(weights))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
