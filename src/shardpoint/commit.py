@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Iterable
 
+from .checkpoint_dir import MAX_MARKER_BYTES
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .format.index import checkpoint_id, marker_json
 from .names import INDEX_NAME, MARKER_NAME, PRUNED_NAME, is_own_file
@@ -123,7 +124,7 @@ class Commit:
         """Which checkpoint this directory holds, or held before it was pruned (its
         marker's or its ``PRUNED`` note's ``checkpoint``); None if neither says."""
         for note in (MARKER_NAME, PRUNED_NAME):
-            raw = self.storage.read_small(note, 64 * 1024)
+            raw = self.storage.read_small(note, MAX_MARKER_BYTES)
             if raw is not None:
                 return checkpoint_id(raw)
         return None

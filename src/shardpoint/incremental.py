@@ -104,10 +104,6 @@ class IncrementalChain:
             )
         self._parent, self._stored = parent, stored
 
-    def reset(self) -> None:
-        """Forget the base (the next save writes everything)."""
-        self._parent, self._stored = None, {}
-
 
 def _key(name: str, offsets: Any, shape: Any, dtype: str) -> tuple[Any, ...]:
     return (name, tuple(offsets), tuple(shape), dtype)

@@ -342,7 +342,9 @@ def plan_save(
         per_rank = dist.is_distributed() and not dist.in_solo()
         flat = flatten(state, rank=me if per_rank else None)
         tree_here = flat.tree
-        holdings, aliases, local, tokens = _holdings(flat.tensors, to_host, flat.rank_tensors)
+        holdings, aliases, local, tokens = _holdings(
+            flat.tensors, to_host, flat.rank_tensors, with_tokens=options.chain is not None
+        )
         # One process has nothing to agree on: its plan costs less than a digest.
         own = _structure_digest(holdings, aliases) if dist.is_distributed() else None
         sharded = _sharded_entries(holdings)
@@ -867,14 +869,14 @@ def _data_start_mod(slots: dict[str, TensorSlot], tensors: dict[str, torch.Tenso
 
 
 def _holdings(
-    tensors: dict[str, torch.Tensor], to_host: bool, own: set[str]
+    tensors: dict[str, torch.Tensor], to_host: bool, own: set[str], *, with_tokens: bool
 ) -> tuple[list[Holding], dict[str, str], dict[str, torch.Tensor], dict[str, Token]]:
     """What this rank holds of each tensor entry, tied tensors stored once.
 
     Returns the holdings, alias name -> stored name (views of the same memory), name ->
     the local bytes as a contiguous (host, with ``to_host``) tensor, and name -> the
-    local part's token (incremental saves). Tensors named in ``own`` are this rank's
-    alone (never planned among holders).
+    local part's token (``with_tokens``: incremental saves). Tensors named in ``own``
+    are this rank's alone (never planned among holders).
     """
     world = dist.world_size()
     seen: dict[tuple[Any, ...], str] = {}
@@ -913,7 +915,8 @@ def _holdings(
             Holding(name, dtype, global_shape, offsets, tuple(part.shape), replicated, sharding)
         )
         local[name] = host_contiguous(part) if to_host else plain(part).contiguous()
-        tokens[name] = token(part)
+        if with_tokens:
+            tokens[name] = token(part)
     return holdings, aliases, local, tokens
 
 
