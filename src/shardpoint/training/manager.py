@@ -609,7 +609,7 @@ class CheckpointManager:
             if step not in keep:
                 kept = source.kept_files(step, references)
                 self._delete(source, step, "delete", kept, **fields)
-        for step in source.pruned() if references is not None else []:
+        for step in source.pruned(steps) if references is not None else []:
             if step not in keep and source.unreferenced(step, references.get(step, ())):
                 self._delete(source, step, "cleanup", references.get(step, ()), **fields)
 

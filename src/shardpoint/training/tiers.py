@@ -72,9 +72,11 @@ class CheckpointTier:
         save, or a deleted checkpoint whose files others refer to)."""
         return [s for s in self.step_dirs() if self.commit_of(s).is_leftover()]
 
-    def pruned(self) -> list[int]:
-        """Deleted checkpoints whose files other checkpoints referred to."""
-        return [s for s in self.step_dirs() if self.commit_of(s).is_pruned()]
+    def pruned(self, committed: Collection[int]) -> list[int]:
+        """Deleted checkpoints whose files other checkpoints referred to, among the
+        step directories that are not in ``committed`` (known, so not looked at again)."""
+        known = set(committed)
+        return [s for s in self.step_dirs() if s not in known and self.commit_of(s).is_pruned()]
 
     def references(self, steps: Iterable[int]) -> dict[int, set[str]] | None:
         """Step -> its files that the committed checkpoints of ``steps`` refer to; None
