@@ -1,0 +1,155 @@
+"""The Hugging Face Trainer with shardpoint checkpoints, killed and resumed exactly.
+
+    python examples/hf_trainer_resume.py --run-dir runs/hf/a --steps 40
+    python examples/hf_trainer_resume.py --run-dir runs/hf/b --steps 40 --crash-at 23
+    python examples/hf_trainer_resume.py --run-dir runs/hf/b --steps 40     # resumes
+    torchrun --nproc-per-node 2 examples/hf_trainer_resume.py --run-dir runs/hf/ddp
+
+A two-layer GPT-2 built from a config (dropout on) learns the bytes of Python's own
+``json`` package source, with AdamW and a warm-up-then-linear schedule, a checkpoint
+every 5 steps. Every step's loss goes to ``RUN_DIR/losses-rank<R>.jsonl``
+(``float.hex``), the final weights' digest to ``RUN_DIR/final.json``.
+``--crash-at STEP`` SIGKILLs the process after that step, ``--sigterm-at STEP`` sends
+it SIGTERM (a preemption: it saves at once and exits with 143). Started again, it
+resumes from the newest valid checkpoint. ``--own-checkpoints`` uses the Trainer's own
+checkpointing instead, for comparison (docs/integrations.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from shardpoint.integrations.transformers import ShardpointTrainer
+
+CONTEXT = 32
+
+
+class Bytes(torch.utils.data.Dataset):
+    """Byte windows of the ``json`` package's source: made here, nothing downloaded."""
+
+    def __init__(self) -> None:
+        root = Path(json.__file__).parent
+        text = b"".join(p.read_bytes() for p in sorted(root.glob("*.py")))
+        self.data = torch.tensor(list(text[: 104 * CONTEXT]), dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.data) // CONTEXT
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        window = self.data[i * CONTEXT : (i + 1) * CONTEXT]
+        return {"input_ids": window, "labels": window}
+
+
+class LoggedLosses:
+    """Writes every optimizer step's loss (``float.hex``) to the run directory."""
+
+    loss_log: Path
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        loss = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
+        step = self.state.global_step + 1  # type: ignore[attr-defined]
+        with open(self.loss_log, "a") as f:
+            f.write(json.dumps({"step": step, "loss": loss.item().hex()}) + "\n")
+        return loss
+
+
+class LoggedShardpointTrainer(LoggedLosses, ShardpointTrainer):
+    pass
+
+
+class LoggedTrainer(LoggedLosses, Trainer):
+    pass
+
+
+class SignalAt(TrainerCallback):
+    """Sends this process a signal after a given step: ``{step: signal}``."""
+
+    def __init__(self, signals: dict[int | None, int]) -> None:
+        self.signals = signals
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step in self.signals:
+            os.kill(os.getpid(), self.signals[state.global_step])
+
+
+def _leave_process_group() -> None:
+    """Every rank done before the group goes: exiting with it alive, or tearing it down
+    while a peer still uses it, sometimes aborted or hung in gloo's threads here."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--crash-at", type=int, help="SIGKILL after this step")
+    parser.add_argument("--sigterm-at", type=int, help="SIGTERM after this step")
+    parser.add_argument("--own-checkpoints", action="store_true", help="the Trainer's own")
+    parser.add_argument("--save-steps", type=int, default=5)
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+
+    torch.manual_seed(0)  # the model's initial weights
+    config = GPT2Config(vocab_size=256, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=4)
+    model = GPT2LMHeadModel(config)
+    training = TrainingArguments(
+        output_dir=str(args.run_dir / "out"),
+        max_steps=args.steps,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        warmup_steps=5,
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        save_total_limit=2,
+        logging_steps=10,
+        report_to="none",
+        use_cpu=True,
+        ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
+        disable_tqdm=True,
+        seed=0,
+    )
+    callbacks = [SignalAt({args.crash_at: signal.SIGKILL, args.sigterm_at: signal.SIGTERM})]
+    common = dict(model=model, args=training, train_dataset=Bytes(), callbacks=callbacks)
+    if args.own_checkpoints:
+        trainer: Any = LoggedTrainer(**common)
+        resume: Any = (
+            get_last_checkpoint(training.output_dir) if Path(training.output_dir).is_dir() else None
+        )
+    else:
+        trainer = LoggedShardpointTrainer(**common)
+        resume = True  # the newest valid checkpoint, or a fresh start
+    trainer.loss_log = args.run_dir / f"losses-rank{rank}.jsonl"
+    started = time.perf_counter()
+    trainer.train(resume_from_checkpoint=resume)
+    if not args.own_checkpoints and trainer.checkpoints.should_stop:
+        print(f"preempted: saved step {trainer.state.global_step}, exiting", flush=True)
+        trainer.checkpoints.close()
+        _leave_process_group()
+        return trainer.checkpoints.exit_code
+    if rank == 0:
+        digest = hashlib.sha256()
+        for name, tensor in sorted(trainer.model.state_dict().items()):
+            digest.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
+        result = {"weights_sha256": digest.hexdigest(), "seconds": time.perf_counter() - started}
+        (args.run_dir / "final.json").write_text(json.dumps(result))
+    _leave_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The Hugging Face Trainer integration (``shardpoint.integrations.transformers``): a run
+killed with SIGKILL, or preempted with SIGTERM, and resumed continues bit for bit, in
+one process and on 2 DDP ranks; a damaged newest checkpoint is skipped.
+
+The run is examples/hf_trainer_resume.py: a two-layer GPT-2 from a config with dropout,
+AdamW with warm-up and linear decay, 13 batches per epoch (so runs cross epochs), a
+checkpoint every 5 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shardpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "hf_trainer_resume.py"
+
+pytestmark = pytest.mark.slow
+
+
+def _run(run_dir: Path, *extra: str, ranks: int = 1) -> subprocess.CompletedProcess:
+    script = [str(SCRIPT), "--run-dir", str(run_dir), "--steps", "40", *extra]
+    if ranks == 1:
+        args = [sys.executable, *script]
+    else:
+        args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+        args += ["--master-port", str(_free_port()), *script]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _losses(run_dir: Path, rank: int = 0) -> dict[int, str]:
+    out = {}
+    for line in (run_dir / f"losses-rank{rank}.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out[record["step"]] = record["loss"]  # a step run again after a resume overrides
+    return out
+
+
+def _steps_run(run_dir: Path) -> list[int]:
+    lines = (run_dir / "losses-rank0.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines]
+
+
+def _weights(run_dir: Path) -> str:
+    return json.loads((run_dir / "final.json").read_text())["weights_sha256"]
+
+
+def _checkpoints(run_dir: Path) -> Path:
+    return run_dir / "out" / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("reference")
+    done = _run(run)
+    assert done.returncode == 0, done.stderr
+    return run
+
+
+@pytest.mark.parametrize("crash_at", [12, 23])  # in the first epoch; in the second
+def test_a_killed_run_resumes_bit_identical(tmp_path, reference, crash_at):
+    crashed = _run(tmp_path, "--crash-at", str(crash_at))
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    resumed = _run(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    newest = crash_at - crash_at % 5
+    # Steps after the newest checkpoint ran again, and gave the same losses.
+    assert _steps_run(tmp_path)[crash_at : crash_at + 2] == [newest + 1, newest + 2]
+    assert _losses(tmp_path) == _losses(reference)
+    assert _weights(tmp_path) == _weights(reference)
+    assert shardpoint.verify(_checkpoints(tmp_path) / "step-000000040").ok
+
+
+def test_sigterm_saves_at_once_exits_143_and_resumes_without_repeating_a_step(tmp_path, reference):
+    preempted = _run(tmp_path, "--sigterm-at", "17")
+    assert preempted.returncode == 143, preempted.stderr
+    assert "preempted: saved step 17" in preempted.stdout
+    assert (_checkpoints(tmp_path) / "step-000000017").is_dir()
+    assert _run(tmp_path).returncode == 0
+    assert _steps_run(tmp_path) == list(range(1, 41))  # nothing lost, nothing repeated
+    assert _losses(tmp_path) == _losses(reference)
+    assert _weights(tmp_path) == _weights(reference)
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_and_the_resume_stays_exact(tmp_path, reference):
+    assert _run(tmp_path, "--crash-at", "23").returncode == -signal.SIGKILL
+    newest = _checkpoints(tmp_path) / "step-000000020"
+    shard = sorted(newest.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF  # a flipped bit in a tensor's bytes
+    shard.write_bytes(bytes(data))
+    resumed = _run(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step-000000020" in resumed.stderr  # the warning names what was skipped
+    assert _steps_run(tmp_path)[23:25] == [16, 17]  # from step 15
+    assert _losses(tmp_path) == _losses(reference)
+    assert _weights(tmp_path) == _weights(reference)
+
+
+def test_two_ddp_ranks_killed_and_resumed_continue_bit_identical(tmp_path_factory):
+    ref, run = tmp_path_factory.mktemp("ddp-ref"), tmp_path_factory.mktemp("ddp")
+    done = _run(ref, ranks=2)
+    assert done.returncode == 0, done.stderr
+    assert _run(run, "--crash-at", "23", ranks=2).returncode != 0
+    resumed = _run(run, ranks=2)
+    assert resumed.returncode == 0, resumed.stderr
+    for rank in (0, 1):  # each rank's own batches and dropout masks
+        assert _losses(run, rank) == _losses(ref, rank)
+    assert _losses(ref, 0) != _losses(ref, 1)
+    assert _weights(run) == _weights(ref)
+    state = shardpoint.open(_checkpoints(run) / "step-000000040").state(tensors=False)
+    assert sorted(state["rng"]) == [0, 1]  # every rank's streams
+
+
+def test_unsupported_trainer_arguments_are_refused_by_name(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from shardpoint.integrations.transformers import ShardpointTrainer
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", save_only_model=True
+    )
+    with pytest.raises(ValueError, match="save_only_model"):
+        ShardpointTrainer(model=model, args=args)
