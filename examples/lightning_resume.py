@@ -3,13 +3,17 @@
     python examples/lightning_resume.py --run-dir runs/lt/a --steps 40
     python examples/lightning_resume.py --run-dir runs/lt/b --steps 40 --crash-at 23
     python examples/lightning_resume.py --run-dir runs/lt/b --steps 40      # resumes
+    torchrun --nproc-per-node 2 examples/lightning_resume.py --run-dir runs/lt/ddp
 
 A small MLP with dropout on random regression data, AdamW with a step schedule, a
-torchdata ``StatefulDataLoader`` (seeded shuffling), a checkpoint every 5 steps by
-``ModelCheckpoint`` (``last.ckpt``) written by ``ShardpointCheckpointIO``, and the
-random streams saved by ``ResumableRNG``. Every step's loss goes to
-``RUN_DIR/losses.jsonl`` (``float.hex``); ``--crash-at STEP`` SIGKILLs the process
-after that step. Started again, it resumes from ``last.ckpt``.
+torchdata ``StatefulDataLoader`` (seeded shuffling; under DDP a
+``StatefulDistributedSampler``), a checkpoint every 5 steps by ``ModelCheckpoint``
+(``last.ckpt``) written by ``ShardpointCheckpointIO``, every rank's random streams saved
+by ``ResumableRNG``.
+Every step's loss goes to ``RUN_DIR/losses-rank<R>.jsonl`` (``float.hex``);
+``--crash-at STEP`` SIGKILLs the process after that step, ``--sigterm-at STEP`` sends it
+SIGTERM (``SaveOnPreemption`` saves and exits with 143). Started again, it resumes from
+``last.ckpt``. ``--own-checkpoints`` uses Lightning's own checkpoint files instead.
 """
 
 from __future__ import annotations
@@ -25,9 +29,13 @@ import lightning as L
 import torch
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import RandomSampler
+from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler
 
-from shardpoint.integrations.lightning import ResumableRNG, ShardpointCheckpointIO
+from shardpoint.integrations.lightning import (
+    ResumableRNG,
+    SaveOnPreemption,
+    ShardpointCheckpointIO,
+)
 
 
 class Regressor(L.LightningModule):
@@ -48,50 +56,69 @@ class Regressor(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 7, 0.5)}
 
 
-class CrashAt(L.Callback):
-    def __init__(self, step: int | None) -> None:
-        self.step = step
+class SignalAt(L.Callback):
+    """Sends this process a signal after a given step: ``{step: signal}``."""
+
+    def __init__(self, signals: dict[int | None, int]) -> None:
+        self.signals = signals
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.global_step in self.signals:
+            os.kill(os.getpid(), self.signals[trainer.global_step])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--crash-at", type=int, default=None)
+    p.add_argument("--crash-at", type=int, default=None, help="SIGKILL after this step")
+    p.add_argument("--sigterm-at", type=int, default=None, help="SIGTERM after this step")
     p.add_argument("--without-rng", action="store_true", help="leave ResumableRNG out")
+    p.add_argument("--own-checkpoints", action="store_true", help="Lightning's own files")
     args = p.parse_args(argv)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     args.run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
-    data = torch.randn(100, 9, generator=torch.Generator().manual_seed(1))
+    L.seed_everything(rank, verbose=False)  # each rank its own dropout masks
+    data = torch.randn(100 * world, 9, generator=torch.Generator().manual_seed(1))
     # The sampler owns its generator: torchdata saves it (not a loader's ``generator``).
-    sampler = RandomSampler(data, generator=torch.Generator().manual_seed(2))
+    sampler: Any = RandomSampler(data, generator=torch.Generator().manual_seed(2))
+    if world > 1:
+        # Lightning stores rank 0's loader state for every rank: a sampler whose
+        # position is the same number on every rank (its own part of each epoch's
+        # permutation) resumes every rank exactly; rank-specific generators would not.
+        sampler = StatefulDistributedSampler(data, num_replicas=world, rank=rank, seed=2)
     loader = StatefulDataLoader(data, batch_size=8, sampler=sampler)
     checkpoints = args.run_dir / "checkpoints"
     last = checkpoints / "last.ckpt"
+    callbacks: list[Any] = [
+        L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=checkpoints, every_n_train_steps=5, save_last=True
+        ),
+        SignalAt({args.crash_at: signal.SIGKILL, args.sigterm_at: signal.SIGTERM}),
+    ]
+    if not args.without_rng:
+        callbacks.append(ResumableRNG())
+    if not args.own_checkpoints:
+        callbacks.append(SaveOnPreemption())
     trainer = L.Trainer(
         max_steps=args.steps,
-        plugins=[ShardpointCheckpointIO()],
-        callbacks=[
-            *([] if args.without_rng else [ResumableRNG()]),
-            L.pytorch.callbacks.ModelCheckpoint(
-                dirpath=checkpoints, every_n_train_steps=5, save_last=True
-            ),
-            CrashAt(args.crash_at),
-        ],
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
+        use_distributed_sampler=False,  # the sampler above is already the one to use
+        plugins=[] if args.own_checkpoints else [ShardpointCheckpointIO()],
+        callbacks=callbacks,
         default_root_dir=args.run_dir,
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
     )
-    model = Regressor(args.run_dir / "losses.jsonl")
+    model = Regressor(args.run_dir / f"losses-rank{rank}.jsonl")
     trainer.fit(model, loader, ckpt_path="last" if last.exists() else None)
-    weights = {k: v.tolist() for k, v in model.state_dict().items()}
-    (args.run_dir / "final.json").write_text(json.dumps(weights))
+    if rank == 0:
+        weights = {k: v.tolist() for k, v in model.state_dict().items()}
+        (args.run_dir / "final.json").write_text(json.dumps(weights))
     return 0
 
 

@@ -10,7 +10,9 @@ epoch boundaries), ``ModelCheckpoint(every_n_train_steps=5, save_last=True)`` wr
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +31,9 @@ def _run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=300)
 
 
-def _losses(run_dir: Path) -> dict[int, str]:
+def _losses(run_dir: Path, rank: int = 0) -> dict[int, str]:
     out = {}
-    for line in (run_dir / "losses.jsonl").read_text().splitlines():
+    for line in (run_dir / f"losses-rank{rank}.jsonl").read_text().splitlines():
         record = json.loads(line)
         out[record["step"]] = record["loss"]  # a step run again after a resume overrides
     return out
@@ -74,3 +76,43 @@ def test_save_last_replaces_the_previous_checkpoint_and_leaves_no_other_version(
     assert len(versions) == 1  # the previous "last" was deleted after the switch
     state = shardpoint.open(checkpoints / "last.ckpt").state(tensors=False)
     assert state["global_step"] == 40 and "ResumableRNG" in state["callbacks"]
+
+
+def test_sigterm_saves_last_at_once_exits_143_and_resumes_exactly(tmp_path, reference):
+    """Lightning alone stops on SIGTERM without saving and exits with 0."""
+    preempted = _run(tmp_path, "--sigterm-at", "17")
+    assert preempted.returncode == 143, preempted.stderr
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert shardpoint.open(last).state(tensors=False)["global_step"] == 17
+    assert _run(tmp_path).returncode == 0
+    steps = [json.loads(line)["step"] for line in (tmp_path / "losses-rank0.jsonl").open()]
+    assert steps == list(range(1, 41))  # nothing lost, nothing run twice
+    assert _losses(tmp_path) == _losses(reference)
+
+
+def _torchrun(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    args += ["--master-port", str(port), str(SCRIPT), "--run-dir", str(run_dir), "--steps", "40"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*args, *extra], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_two_ddp_ranks_killed_and_resumed_continue_bit_identical(tmp_path_factory):
+    """Rank 0 writes Lightning's checkpoint: ResumableRNG puts every rank's streams in
+    it (the ranks are seeded differently), and each rank gets its own back."""
+    ref, run = tmp_path_factory.mktemp("ddp-ref"), tmp_path_factory.mktemp("ddp")
+    done = _torchrun(ref)
+    assert done.returncode == 0, done.stderr
+    assert _torchrun(run, "--crash-at", "23").returncode != 0
+    resumed = _torchrun(run)
+    assert resumed.returncode == 0, resumed.stderr
+    for rank in (0, 1):
+        assert _losses(run, rank) == _losses(ref, rank)
+    assert json.loads((run / "final.json").read_text()) == json.loads(
+        (ref / "final.json").read_text()
+    )
+    stored = shardpoint.open(run / "checkpoints" / "last.ckpt").state(tensors=False)
+    assert sorted(stored["callbacks"]["ResumableRNG"]["streams"]) == [0, 1]

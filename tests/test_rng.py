@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shardpoint.training.rng import capture_rng, restore_rng
-from shardpoint.training.train_state import _stream_source, _streams_for
+from shardpoint.training.train_state import _stream_source, streams_for
 
 
 def _draw() -> tuple:
@@ -31,12 +31,12 @@ def test_a_new_rank_gets_reproducible_streams_of_its_own():
     with pytest.warns(UserWarning, match="saved on 2 ranks and are restored on 1"):
         assert _stream_source(0, [0, 1]) == 0  # its own, read alone
     assert [_stream_source(r, [0, 1]) for r in (2, 3)] == [0, 1]  # rank % old world
-    restore_rng(_streams_for(0, saved))
+    restore_rng(streams_for(0, saved))
     rank0 = _draw()
-    restore_rng(_streams_for(2, saved))  # rank 2 did not exist when this was saved
+    restore_rng(streams_for(2, saved))  # rank 2 did not exist when this was saved
     rank2 = _draw()
-    restore_rng(_streams_for(3, saved))
+    restore_rng(streams_for(3, saved))
     rank3 = _draw()
-    restore_rng(_streams_for(2, saved))
+    restore_rng(streams_for(2, saved))
     assert _draw() == rank2  # the same rule gives the same streams again
     assert len({rank0, rank2, rank3}) == 3  # and every rank has its own

@@ -1,6 +1,7 @@
 """PyTorch Lightning: shardpoint checkpoints through ``Trainer(plugins=[...])``.
 
-    trainer = L.Trainer(plugins=[ShardpointCheckpointIO()], callbacks=[ResumableRNG(), ...])
+    trainer = L.Trainer(plugins=[ShardpointCheckpointIO()],
+                        callbacks=[ResumableRNG(), SaveOnPreemption(), ModelCheckpoint(...)])
     trainer.fit(model, loader, ckpt_path="last")
 
 ``ShardpointCheckpointIO`` writes every checkpoint Lightning asks for (``ModelCheckpoint``,
@@ -13,31 +14,37 @@ symbolic link switched to it in one atomic rename, so a crash leaves the previou
 whole. ``ckpt_path="last"`` finds it as it finds a file.
 
 Lightning does not checkpoint the random number generators: ``ResumableRNG`` (a
-callback) saves the Python, NumPy and torch streams and restores them when training
-starts again, so dropout and anything else drawn from them continue exactly. The data
-position is Lightning's own: give it a ``torchdata`` ``StatefulDataLoader`` (with a
-seeded ``generator``) and a resumed fit continues at the next batch.
+callback) saves every rank's Python, NumPy and torch streams and restores each rank's
+own when training starts again, so dropout and anything else drawn from them continue
+exactly. Lightning stops on SIGTERM without saving (and exits with status 0):
+``SaveOnPreemption`` saves ``last.ckpt`` at the end of the step and exits with 143. The
+data position is Lightning's own: give it a ``torchdata`` ``StatefulDataLoader`` (with
+the sampler owning a seeded generator) and a resumed fit continues at the next batch.
 
-Scope: one process, or strategies whose rank 0 writes the whole checkpoint (DDP). With
-several ranks ``ResumableRNG`` keeps rank 0's streams for every rank; FSDP's sharded
-state dicts bypass ``CheckpointIO`` in Lightning (use ``CheckpointManager`` directly).
+Scope: one process, or strategies whose rank 0 writes the whole checkpoint (DDP); FSDP's
+sharded state dicts bypass ``CheckpointIO`` in Lightning (use ``CheckpointManager``
+directly). Local directories only (the switch of ``last.ckpt`` is a symbolic link).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 
+from .. import dist
 from ..commit import Commit
 from ..reader import CheckpointReader
 from ..saving import save
 from ..storage import open_storage
 from ..training.rng import capture_rng, restore_rng
+from ..training.train_state import streams_for
 
 
 class ShardpointCheckpointIO(CheckpointIO):
@@ -50,7 +57,8 @@ class ShardpointCheckpointIO(CheckpointIO):
         path.parent.mkdir(parents=True, exist_ok=True)
         previous = _target(path)
         version = _next_version(path)
-        save(checkpoint, version)
+        with dist.solo():  # under DDP only rank 0 is here: a save of one process
+            save(checkpoint, version)
         # The name switches to the new directory in one rename; the old one goes after.
         link = path.with_name(f".{path.name}.link")
         link.unlink(missing_ok=True)
@@ -90,17 +98,23 @@ def _next_version(path: Path) -> Path:
 
 
 class ResumableRNG(Callback):
-    """Saves the Python, NumPy and torch random streams with every checkpoint and puts
-    them back when a resumed fit starts training."""
+    """Saves every rank's Python, NumPy and torch random streams with every checkpoint
+    and puts each rank's own back when a resumed fit starts training (a rank the saved
+    run did not have gets streams derived from a saved rank's and its own number)."""
 
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"streams": capture_rng()}
+        # Lightning builds the checkpoint on every rank and rank 0 writes its dict:
+        # the streams of every rank go into rank 0's.
+        gathered = dist.gather_json(_encode(capture_rng()))
+        if gathered is None:
+            return {}
+        return {"streams": {rank: _decode(streams) for rank, streams in enumerate(gathered)}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._pending = state_dict["streams"]
+        self._pending = streams_for(dist.rank(), state_dict["streams"])
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._pending is not None:
@@ -108,4 +122,52 @@ class ResumableRNG(Callback):
             self._pending = None
 
 
-__all__ = ["ResumableRNG", "ShardpointCheckpointIO"]
+class SaveOnPreemption(Callback):
+    """After a SIGTERM (on any rank) saves ``last.ckpt`` at the end of the step, then
+    exits with 143, the status schedulers read as "terminated, requeue". ``dirpath``:
+    where ``last.ckpt`` goes; by default the ``ModelCheckpoint``'s directory, where
+    ``ckpt_path="last"`` looks."""
+
+    def __init__(self, dirpath: str | os.PathLike[str] | None = None) -> None:
+        self.dirpath = dirpath
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        received = int(trainer.received_sigterm)
+        if dist.is_distributed():
+            (received,) = dist.max_of([received])  # the signal may reach one rank only
+        if not received:
+            return
+        trainer.save_checkpoint(self._last(trainer))
+        raise SystemExit(128 + signal.SIGTERM)
+
+    def _last(self, trainer: Any) -> Path:
+        cb = trainer.checkpoint_callback
+        directory = self.dirpath or (cb.dirpath if cb is not None else None)
+        if directory is None:
+            raise ValueError("SaveOnPreemption needs dirpath= or a ModelCheckpoint(dirpath=...)")
+        name = "last.ckpt" if cb is None else cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION
+        return Path(directory) / name
+
+
+def _encode(value: Any) -> Any:
+    """Random streams as JSON (tensors as dtype + values), to gather them."""
+    if isinstance(value, torch.Tensor):
+        return {"dtype": str(value.dtype).removeprefix("torch."), "values": value.tolist()}
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"dtype", "values"}:
+        return torch.tensor(value["values"], dtype=getattr(torch, value["dtype"]))
+    if isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+__all__ = ["ResumableRNG", "SaveOnPreemption", "ShardpointCheckpointIO"]

@@ -31,7 +31,7 @@ def _stream_source(rank: int, saved_ranks: list[Any]) -> Any:
     return sorted(saved_ranks)[rank % len(saved_ranks)]
 
 
-def _streams_for(rank: int, saved: dict[Any, Any]) -> dict[str, Any]:
+def streams_for(rank: int, saved: dict[Any, Any]) -> dict[str, Any]:
     """This rank's RNG streams from what was loaded (its source's, see ``_stream_source``):
     its own back, or the source's reseeded from its own rank, so no two ranks share a
     stream."""
@@ -126,4 +126,4 @@ class TrainState:
         if "extra" in sd:
             self.extra = sd["extra"]
         if self.capture_rng_state and "rng" in sd:
-            restore_rng(_streams_for(dist.rank(), sd["rng"]))
+            restore_rng(streams_for(dist.rank(), sd["rng"]))
