@@ -9,10 +9,11 @@ A two-layer GPT-2 built from a config (dropout on) learns the bytes of Python's 
 ``json`` package source, with AdamW and a warm-up-then-linear schedule, a checkpoint
 every 5 steps. Every step's loss goes to ``RUN_DIR/losses-rank<R>.jsonl``
 (``float.hex``), the final weights' digest to ``RUN_DIR/final.json``.
-``--crash-at STEP`` SIGKILLs the process after that step, ``--sigterm-at STEP`` sends
-it SIGTERM (a preemption: it saves at once and exits with 143). Started again, it
-resumes from the newest valid checkpoint. ``--own-checkpoints`` uses the Trainer's own
-checkpointing instead, for comparison (docs/integrations.md).
+``--crash-at STEP`` SIGKILLs the process after that step, ``--crash-in-save STEP``
+inside that step's save, ``--sigterm-at STEP`` sends it SIGTERM (a preemption: it saves
+at once and exits with 143). Started again, it resumes from the newest valid
+checkpoint. ``--own-checkpoints`` uses the Trainer's own checkpointing instead, for
+comparison (bench/bench_integrations.py); ``--width``/``--layers`` size the model.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from typing import Any
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import get_last_checkpoint
 
+from shardpoint import CheckpointManager, RetentionPolicy
+from shardpoint.commit import Commit
 from shardpoint.integrations.transformers import ShardpointTrainer
 
 CONTEXT = 32
@@ -53,16 +57,25 @@ class Bytes(torch.utils.data.Dataset):
 
 
 class LoggedLosses:
-    """Writes every optimizer step's loss (``float.hex``) to the run directory."""
+    """Writes every optimizer step's loss (``float.hex``) and every save's duration (the
+    time training waits for it) to the run directory."""
 
-    loss_log: Path
+    run_dir: Path
+    rank: int
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         loss = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
         step = self.state.global_step + 1  # type: ignore[attr-defined]
-        with open(self.loss_log, "a") as f:
+        with open(self.run_dir / f"losses-rank{self.rank}.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "loss": loss.item().hex()}) + "\n")
         return loss
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        started = time.perf_counter()
+        super()._save_checkpoint(model, trial)  # type: ignore[misc]
+        seconds = time.perf_counter() - started
+        with open(self.run_dir / f"saves-rank{self.rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": self.state.global_step, "seconds": seconds}) + "\n")  # type: ignore[attr-defined]
 
 
 class LoggedShardpointTrainer(LoggedLosses, ShardpointTrainer):
@@ -84,6 +97,24 @@ class SignalAt(TrainerCallback):
             os.kill(os.getpid(), self.signals[state.global_step])
 
 
+def _crash_in_save(trainer: Any, step: int, own: bool) -> None:
+    """SIGKILL the save of ``step`` just before it ends: the Trainer's own before it
+    writes ``trainer_state.json`` (its last file), shardpoint's before the commit."""
+
+    def crash_first(function: Any) -> Any:
+        def crashing(*args: Any, **kwargs: Any) -> Any:
+            if trainer.state.global_step == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return function(*args, **kwargs)
+
+        return crashing
+
+    if own:
+        TrainerState.save_to_json = crash_first(TrainerState.save_to_json)
+    else:
+        Commit.finish = crash_first(Commit.finish)
+
+
 def _leave_process_group() -> None:
     """Every rank done before the group goes: exiting with it alive, or tearing it down
     while a peer still uses it, sometimes aborted or hung in gloo's threads here."""
@@ -100,12 +131,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sigterm-at", type=int, help="SIGTERM after this step")
     parser.add_argument("--own-checkpoints", action="store_true", help="the Trainer's own")
     parser.add_argument("--save-steps", type=int, default=5)
+    parser.add_argument("--width", type=int, default=64, help="GPT-2 n_embd")
+    parser.add_argument("--layers", type=int, default=2, help="GPT-2 n_layer")
+    parser.add_argument("--async-save", action="store_true", help="shardpoint: in background")
+    parser.add_argument(
+        "--crash-in-save", type=int, help="SIGKILL inside the save of this step, before it ends"
+    )
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     args.run_dir.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(0)  # the model's initial weights
-    config = GPT2Config(vocab_size=256, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=4)
+    config = GPT2Config(
+        vocab_size=256, n_positions=CONTEXT, n_embd=args.width, n_layer=args.layers, n_head=4
+    )
     model = GPT2LMHeadModel(config)
     training = TrainingArguments(
         output_dir=str(args.run_dir / "out"),
@@ -131,9 +170,16 @@ def main(argv: list[str] | None = None) -> int:
             get_last_checkpoint(training.output_dir) if Path(training.output_dir).is_dir() else None
         )
     else:
-        trainer = LoggedShardpointTrainer(**common)
+        manager = CheckpointManager(
+            args.run_dir / "out" / "checkpoints",
+            retention=RetentionPolicy(keep_last=2),
+            async_save=args.async_save,
+        )
+        trainer = LoggedShardpointTrainer(**common, checkpoints=manager)
         resume = True  # the newest valid checkpoint, or a fresh start
-    trainer.loss_log = args.run_dir / f"losses-rank{rank}.jsonl"
+    trainer.run_dir, trainer.rank = args.run_dir, rank
+    if args.crash_in_save is not None:
+        _crash_in_save(trainer, args.crash_in_save, args.own_checkpoints)
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     if not args.own_checkpoints and trainer.checkpoints.should_stop:

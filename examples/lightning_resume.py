@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,16 @@ from shardpoint.integrations.lightning import (
 
 
 class Regressor(L.LightningModule):
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, hidden: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
+        self.net = nn.Sequential(
+            nn.Linear(8, hidden),
+            nn.ReLU(),
+            nn.Dropout(0.3),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, 1),
+        )
         self.log_path = log
 
     def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
@@ -54,6 +62,19 @@ class Regressor(L.LightningModule):
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=0.01)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 7, 0.5)}
+
+
+class TimedTrainer(L.Trainer):
+    """Records how long training waits for each save (``RUN_DIR/saves-rank<R>.jsonl``)."""
+
+    saves: Path
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        started = time.perf_counter()
+        super().save_checkpoint(*args, **kwargs)
+        seconds = time.perf_counter() - started
+        with open(self.saves, "a") as f:
+            f.write(json.dumps({"step": self.global_step, "seconds": seconds}) + "\n")
 
 
 class SignalAt(L.Callback):
@@ -75,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sigterm-at", type=int, default=None, help="SIGTERM after this step")
     p.add_argument("--without-rng", action="store_true", help="leave ResumableRNG out")
     p.add_argument("--own-checkpoints", action="store_true", help="Lightning's own files")
+    p.add_argument("--async-save", action="store_true", help="shardpoint: in background")
+    p.add_argument("--hidden", type=int, default=32, help="width of the MLP's hidden layer")
     args = p.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     args.run_dir.mkdir(parents=True, exist_ok=True)
@@ -101,20 +124,21 @@ def main(argv: list[str] | None = None) -> int:
         callbacks.append(ResumableRNG())
     if not args.own_checkpoints:
         callbacks.append(SaveOnPreemption())
-    trainer = L.Trainer(
+    trainer = TimedTrainer(
         max_steps=args.steps,
         accelerator="cpu",
         devices=world,
         strategy="ddp" if world > 1 else "auto",
         use_distributed_sampler=False,  # the sampler above is already the one to use
-        plugins=[] if args.own_checkpoints else [ShardpointCheckpointIO()],
+        plugins=[] if args.own_checkpoints else [ShardpointCheckpointIO(args.async_save)],
         callbacks=callbacks,
         default_root_dir=args.run_dir,
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
     )
-    model = Regressor(args.run_dir / f"losses-rank{rank}.jsonl")
+    trainer.saves = args.run_dir / f"saves-rank{rank}.jsonl"
+    model = Regressor(args.run_dir / f"losses-rank{rank}.jsonl", args.hidden)
     trainer.fit(model, loader, ckpt_path="last" if last.exists() else None)
     if rank == 0:
         weights = {k: v.tolist() for k, v in model.state_dict().items()}

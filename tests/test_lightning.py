@@ -116,3 +116,21 @@ def test_two_ddp_ranks_killed_and_resumed_continue_bit_identical(tmp_path_factor
     )
     stored = shardpoint.open(run / "checkpoints" / "last.ckpt").state(tensors=False)
     assert sorted(stored["callbacks"]["ResumableRNG"]["streams"]) == [0, 1]
+
+
+def test_async_saves_resume_bit_identical_and_clear_a_crashed_saves_leftover(tmp_path, reference):
+    """``ShardpointCheckpointIO(async_save=True)``: the state is copied before training
+    goes on, so what is written is the step's; a version directory a crash left
+    unfinished is removed by the next save."""
+    assert _run(tmp_path, "--async-save", "--crash-at", "23").returncode == -signal.SIGKILL
+    leftover = tmp_path / "checkpoints" / "last.ckpt.9"  # as a save killed halfway leaves
+    leftover.mkdir()
+    (leftover / "rank00000-00000.safetensors").write_bytes(b"partial")
+    resumed = _run(tmp_path, "--async-save")
+    assert resumed.returncode == 0, resumed.stderr
+    assert _losses(tmp_path) == _losses(reference)
+    assert json.loads((tmp_path / "final.json").read_text()) == json.loads(
+        (reference / "final.json").read_text()
+    )
+    versions = [p.name for p in (tmp_path / "checkpoints").iterdir() if ".ckpt." in p.name]
+    assert not leftover.exists() and len([v for v in versions if v.startswith("last")]) == 1

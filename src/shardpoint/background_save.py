@@ -154,7 +154,7 @@ class AsyncSaver:
         self._in_flight = handle
         self._thread = threading.Thread(
             target=_finish_in_background,
-            args=(finish, handle, on_done, self.nice),
+            args=(finish, handle, on_done, self.nice, dist.in_solo()),
             name="shardpoint-commit",
         )
         self._thread.start()
@@ -218,7 +218,12 @@ def _finish_in_background(
     handle: AsyncSave,
     on_done: Callable[[SaveInfo | None, BaseException | None], None] | None,
     nice: int,
+    solo: bool,
 ) -> None:
+    if solo:  # a save started as a job of one process finishes as one
+        with dist.solo():
+            _finish_in_background(finish, handle, on_done, nice, False)
+        return
     lower_priority(nice)
     info: SaveInfo | None = None
     error: BaseException | None = None

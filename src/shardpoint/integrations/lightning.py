@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 
 from .. import dist
+from ..background_save import AsyncSaver
 from ..commit import Commit
 from ..reader import CheckpointReader
 from ..saving import save
@@ -48,32 +50,49 @@ from ..training.train_state import streams_for
 
 
 class ShardpointCheckpointIO(CheckpointIO):
-    """Lightning's checkpoint files as shardpoint checkpoint directories."""
+    """Lightning's checkpoint files as shardpoint checkpoint directories.
+
+    ``async_save=True``: ``save_checkpoint`` returns once the state is copied to host
+    memory (a reused staging pool) and writes it in the background; ``last.ckpt`` is
+    switched to it after it committed. The training loop may change every tensor
+    meanwhile: the copy is what is written. At most one save is in flight (the next
+    waits); a background save's error is raised by the next save or at teardown.
+    """
+
+    def __init__(self, async_save: bool = False) -> None:
+        self._saver = AsyncSaver() if async_save else None
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
     ) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._wait()  # saves switch the link in the order they were made
         previous = _target(path)
+        for leftover in _versions(path) - {previous}:  # of a save a crash interrupted
+            Commit(open_storage(leftover)).delete()
         version = _next_version(path)
+
+        def switch(info: Any, error: BaseException | None) -> None:
+            if error is None:
+                _switch(path, version, previous)
+
         with dist.solo():  # under DDP only rank 0 is here: a save of one process
-            save(checkpoint, version)
-        # The name switches to the new directory in one rename; the old one goes after.
-        link = path.with_name(f".{path.name}.link")
-        link.unlink(missing_ok=True)
-        os.symlink(version.name, link)
-        os.replace(link, path)
-        if previous is not None and previous != version:
-            Commit(open_storage(previous)).delete()
+            if self._saver is None:
+                save(checkpoint, version)
+                switch(None, None)
+            else:
+                self._saver.save(checkpoint, version, on_done=switch)
 
     def load_checkpoint(
         self, path: Any, map_location: Any = None, weights_only: Any = None, **kwargs: Any
     ) -> dict[str, Any]:
+        self._wait()
         with CheckpointReader(path) as reader:
             return reader.state()
 
     def remove_checkpoint(self, path: Any) -> None:
+        self._wait()
         path = Path(path)
         target = _target(path)
         if path.is_symlink():
@@ -81,12 +100,35 @@ class ShardpointCheckpointIO(CheckpointIO):
         if target is not None:
             Commit(open_storage(target)).delete()
 
+    def teardown(self) -> None:
+        self._wait()
+
+    def _wait(self) -> None:
+        if self._saver is not None:
+            self._saver.wait()  # raises a background save's error
+
+
+def _switch(path: Path, version: Path, previous: Path | None) -> None:
+    """``path`` names ``version`` from now on (one atomic rename); the old one goes."""
+    link = path.with_name(f".{path.name}.link")
+    link.unlink(missing_ok=True)
+    os.symlink(version.name, link)
+    os.replace(link, path)
+    if previous is not None and previous != version:
+        Commit(open_storage(previous)).delete()
+
 
 def _target(path: Path) -> Path | None:
     """The checkpoint directory ``path`` names (through its link), if any."""
     if path.is_symlink():
         return path.parent / os.readlink(path)
     return path if path.is_dir() else None
+
+
+def _versions(path: Path) -> set[Path]:
+    """The directories ``path`` has named or was about to name (``NAME.<n>``)."""
+    pattern = re.compile(re.escape(path.name) + r"\.\d+")
+    return {p for p in path.parent.iterdir() if pattern.fullmatch(p.name) and p.is_dir()}
 
 
 def _next_version(path: Path) -> Path:
