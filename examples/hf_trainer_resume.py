@@ -99,20 +99,26 @@ class SignalAt(TrainerCallback):
 
 def _crash_in_save(trainer: Any, step: int, own: bool) -> None:
     """SIGKILL the save of ``step`` just before it ends: the Trainer's own before it
-    writes ``trainer_state.json`` (its last file), shardpoint's before the commit."""
+    writes ``trainer_state.json`` (its last file), shardpoint's before the commit (in
+    the background with ``--async-save``, while training goes on)."""
+    if own:
+        save_to_json = TrainerState.save_to_json
 
-    def crash_first(function: Any) -> Any:
-        def crashing(*args: Any, **kwargs: Any) -> Any:
+        def crashing_save_to_json(self: Any, path: str) -> None:
             if trainer.state.global_step == step:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return function(*args, **kwargs)
+            save_to_json(self, path)
 
-        return crashing
-
-    if own:
-        TrainerState.save_to_json = crash_first(TrainerState.save_to_json)
+        TrainerState.save_to_json = crashing_save_to_json
     else:
-        Commit.finish = crash_first(Commit.finish)
+        finish = Commit.finish
+
+        def crashing_finish(self: Any, *args: Any, **kwargs: Any) -> None:
+            if Path(self.storage.root).name == f"step-{step:09d}":
+                os.kill(os.getpid(), signal.SIGKILL)
+            finish(self, *args, **kwargs)
+
+        Commit.finish = crashing_finish
 
 
 def _leave_process_group() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -140,3 +141,15 @@ def test_unsupported_trainer_arguments_are_refused_by_name(tmp_path):
     )
     with pytest.raises(ValueError, match="save_only_model"):
         ShardpointTrainer(model=model, args=args)
+
+
+def test_a_finished_run_started_again_trains_no_further_step(tmp_path, reference):
+    """The Trainer alone, resumed from its last checkpoint at ``max_steps`` (40 is not a
+    whole number of epochs), trains a step 41 (measured with its own checkpoints)."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    again = _run(run)
+    assert again.returncode == 0, again.stderr
+    assert _steps_run(run) == list(range(1, 41))
+    assert not (_checkpoints(run) / "step-000000041").exists()
+    assert _weights(run) == _weights(reference)

@@ -36,7 +36,9 @@ from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import ExportableState, TrainerState
+from transformers.trainer_utils import TrainOutput
+from transformers.utils import logging
 
 from ..loading import load
 from ..training.manager import CheckpointManager
@@ -44,6 +46,7 @@ from ..training.retention import RetentionPolicy
 from ..training.rng import capture_rng, restore_rng
 from ..training.train_state import TrainState
 
+logger = logging.get_logger(__name__)
 TRAINER_STATE = "trainer_state.json"  # the name Trainer.train reads a resumed state from
 
 
@@ -129,6 +132,15 @@ class ShardpointTrainer(Trainer):
             resumed = self._restore(resume_from_checkpoint)
             if resumed is None:
                 return super().train(resume_from_checkpoint=None, **kwargs)
+            step = json.loads(resumed.trainer_state)["global_step"]
+            if 0 < self.args.max_steps <= step:
+                # Finished already (a job started again after its last save): the Trainer
+                # would run one more step from here.
+                logger.info(
+                    "checkpoint of step %d: max_steps=%d reached", step, self.args.max_steps
+                )
+                self.state = TrainerState(**json.loads(resumed.trainer_state))
+                return TrainOutput(step, 0.0, {})
             self._resumed = resumed
             # Trainer.train reads the resumed TrainerState from a file in the directory it
             # is given; every other read goes through the _load_* methods below.
