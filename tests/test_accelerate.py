@@ -1,0 +1,138 @@
+"""The Accelerate integration (``shardpoint.integrations.accelerate``): a loop saving
+``accelerator_state(...)`` through a ``CheckpointManager``, killed with SIGKILL or
+preempted with SIGTERM and started again, continues bit for bit, in one process and on
+2 DDP ranks.
+
+The run is examples/accelerate_resume.py: an MLP with dropout, AdamW with a step
+schedule, Accelerate's stateful data loader (25 batches per epoch), a checkpoint every
+5 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardpoint
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "accelerate_resume.py"
+
+pytestmark = pytest.mark.slow
+
+
+def _run(run_dir: Path, *extra: str, ranks: int = 1) -> subprocess.CompletedProcess:
+    script = [str(SCRIPT), "--run-dir", str(run_dir), "--steps", "40", *extra]
+    if ranks == 1:
+        args = [sys.executable, *script]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+        args += ["--master-port", str(port), *script]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _losses(run_dir: Path, rank: int = 0) -> dict[int, str]:
+    out = {}
+    for line in (run_dir / f"losses-rank{rank}.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out[record["step"]] = record["loss"]  # a step run again after a resume overrides
+    return out
+
+
+def _steps_run(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "losses-rank0.jsonl").open()]
+
+
+def _final(run_dir: Path) -> dict:
+    return json.loads((run_dir / "final.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("reference")
+    done = _run(run)
+    assert done.returncode == 0, done.stderr
+    return run
+
+
+@pytest.mark.parametrize("crash_at", [23, 31])  # in the first epoch; in the second
+def test_a_killed_loop_resumes_bit_identical(tmp_path, reference, crash_at):
+    assert _run(tmp_path, "--crash-at", str(crash_at)).returncode == -signal.SIGKILL
+    resumed = _run(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    newest = crash_at - crash_at % 5
+    assert _steps_run(tmp_path)[crash_at] == newest + 1  # resumed after the newest save
+    assert _losses(tmp_path) == _losses(reference)
+    assert _final(tmp_path) == _final(reference)
+
+
+def test_sigterm_saves_at_once_and_the_loop_resumes_without_repeating_a_step(tmp_path, reference):
+    preempted = _run(tmp_path, "--sigterm-at", "17")
+    assert preempted.returncode == 143, preempted.stderr
+    assert (tmp_path / "checkpoints" / "step-000000017").is_dir()
+    assert _run(tmp_path).returncode == 0
+    assert _steps_run(tmp_path) == list(range(1, 41))
+    assert _losses(tmp_path) == _losses(reference)
+    assert _final(tmp_path) == _final(reference)
+
+
+def test_two_ddp_ranks_killed_and_resumed_continue_bit_identical(tmp_path_factory):
+    ref, run = tmp_path_factory.mktemp("ddp-ref"), tmp_path_factory.mktemp("ddp")
+    done = _run(ref, ranks=2)
+    assert done.returncode == 0, done.stderr
+    assert _run(run, "--crash-at", "23", ranks=2).returncode != 0
+    resumed = _run(run, ranks=2)
+    assert resumed.returncode == 0, resumed.stderr
+    for rank in (0, 1):
+        assert _losses(run, rank) == _losses(ref, rank)
+    assert _losses(ref, 0) != _losses(ref, 1)
+    assert _final(run) == _final(ref)
+
+
+def test_the_state_holds_what_save_state_saves_and_refuses_two_models(tmp_path):
+    from accelerate import Accelerator
+
+    from shardpoint.integrations.accelerate import accelerator_state, load_state, save_state
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 3)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    accelerator.register_for_checkpointing(counter := _Counter(5))
+    accelerator.step = 7
+    save_state(accelerator, tmp_path / "ckpt")
+    with torch.no_grad():
+        model.weight.zero_()
+    counter.n, accelerator.step = 0, 0
+    scheduler.step()
+    load_state(accelerator, tmp_path / "ckpt")
+    stored = shardpoint.open(tmp_path / "ckpt").state()
+    assert torch.equal(model.weight, stored["train"]["model"]["weight"])
+    assert counter.n == 5 and accelerator.step == 7 and scheduler.scheduler.last_epoch == 0
+
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="one prepared model"):
+        accelerator_state(accelerator)
+
+
+class _Counter:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
