@@ -143,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         weights = {k: v.tolist() for k, v in model.state_dict().items()}
         (args.run_dir / "final.json").write_text(json.dumps(weights))
+    if torch.distributed.is_initialized():
+        # Lightning leaves the process group up; exiting with it alive sometimes aborted
+        # in gloo's threads here. Every rank done first, then down.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 
