@@ -28,7 +28,9 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler
 
@@ -36,12 +38,14 @@ from shardpoint.integrations.lightning import (
     ResumableRNG,
     SaveOnPreemption,
     ShardpointCheckpointIO,
+    ShardpointModelParallelStrategy,
 )
 
 
 class Regressor(L.LightningModule):
-    def __init__(self, log: Path, hidden: int) -> None:
+    def __init__(self, log: Path, hidden: int, fsdp: bool = False) -> None:
         super().__init__()
+        self.fsdp = fsdp
         self.net = nn.Sequential(
             nn.Linear(8, hidden),
             nn.ReLU(),
@@ -51,6 +55,14 @@ class Regressor(L.LightningModule):
             nn.Linear(hidden, 1),
         )
         self.log_path = log
+
+    def configure_model(self) -> None:
+        if self.fsdp:  # FSDP2: every linear layer's parameters sharded over the ranks
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
         x, y = batch[:, :8], batch[:, 8:]
@@ -88,6 +100,11 @@ class SignalAt(L.Callback):
             os.kill(os.getpid(), self.signals[trainer.global_step])
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) parameter gathered whole; a plain one as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--run-dir", type=Path, required=True)
@@ -98,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--own-checkpoints", action="store_true", help="Lightning's own files")
     p.add_argument("--async-save", action="store_true", help="shardpoint: in background")
     p.add_argument("--hidden", type=int, default=32, help="width of the MLP's hidden layer")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 (ModelParallelStrategy)")
     args = p.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     args.run_dir.mkdir(parents=True, exist_ok=True)
@@ -106,7 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     data = torch.randn(100 * world, 9, generator=torch.Generator().manual_seed(1))
     # The sampler owns its generator: torchdata saves it (not a loader's ``generator``).
     sampler: Any = RandomSampler(data, generator=torch.Generator().manual_seed(2))
-    if world > 1:
+    if world > 1 and args.fsdp:
+        # ShardpointModelParallelStrategy keeps each rank's loader state: each rank its
+        # own part of the data and its own shuffling generator.
+        data = data[rank::world]
+        sampler = RandomSampler(data, generator=torch.Generator().manual_seed(2 + rank))
+    elif world > 1:
         # Lightning stores rank 0's loader state for every rank: a sampler whose
         # position is the same number on every rank (its own part of each epoch's
         # permutation) resumes every rank exactly; rank-specific generators would not.
@@ -124,13 +147,22 @@ def main(argv: list[str] | None = None) -> int:
         callbacks.append(ResumableRNG())
     if not args.own_checkpoints:
         callbacks.append(SaveOnPreemption())
+    strategy: Any = "ddp" if world > 1 else "auto"
+    if args.fsdp:
+        own = args.own_checkpoints
+        # Every rank data-parallel (the default would put the ranks of a node on the
+        # tensor-parallel dimension, which this model does not use).
+        mesh = {"data_parallel_size": world, "tensor_parallel_size": 1}
+        strategy = (ModelParallelStrategy if own else ShardpointModelParallelStrategy)(**mesh)
     trainer = TimedTrainer(
         max_steps=args.steps,
         accelerator="cpu",
         devices=world,
-        strategy="ddp" if world > 1 else "auto",
+        strategy=strategy,
         use_distributed_sampler=False,  # the sampler above is already the one to use
-        plugins=[] if args.own_checkpoints else [ShardpointCheckpointIO(args.async_save)],
+        plugins=[]
+        if args.own_checkpoints or args.fsdp
+        else [ShardpointCheckpointIO(args.async_save)],
         callbacks=callbacks,
         default_root_dir=args.run_dir,
         enable_progress_bar=False,
@@ -138,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         logger=False,
     )
     trainer.saves = args.run_dir / f"saves-rank{rank}.jsonl"
-    model = Regressor(args.run_dir / f"losses-rank{rank}.jsonl", args.hidden)
+    model = Regressor(args.run_dir / f"losses-rank{rank}.jsonl", args.hidden, args.fsdp)
     trainer.fit(model, loader, ckpt_path="last" if last.exists() else None)
+    weights = {k: _whole(v).tolist() for k, v in model.state_dict().items()}  # collective
     if rank == 0:
-        weights = {k: v.tolist() for k, v in model.state_dict().items()}
         (args.run_dir / "final.json").write_text(json.dumps(weights))
     if torch.distributed.is_initialized():
         # Lightning leaves the process group up; exiting with it alive sometimes aborted

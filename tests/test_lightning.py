@@ -134,3 +134,24 @@ def test_async_saves_resume_bit_identical_and_clear_a_crashed_saves_leftover(tmp
     )
     versions = [p.name for p in (tmp_path / "checkpoints").iterdir() if ".ckpt." in p.name]
     assert not leftover.exists() and len([v for v in versions if v.startswith("last")]) == 1
+
+
+def test_fsdp2_ranks_write_their_own_shards_and_resume_bit_identical(tmp_path_factory):
+    """``ShardpointModelParallelStrategy``: FSDP2 (``fully_shard``) on 2 ranks, each
+    writing its own shards of parameters and Adam moments; killed and resumed."""
+    ref, run = tmp_path_factory.mktemp("fsdp-ref"), tmp_path_factory.mktemp("fsdp")
+    done = _torchrun(ref, "--fsdp")
+    assert done.returncode == 0, done.stderr
+    assert _torchrun(run, "--fsdp", "--crash-at", "23").returncode != 0
+    resumed = _torchrun(run, "--fsdp")
+    assert resumed.returncode == 0, resumed.stderr
+    for rank in (0, 1):
+        assert _losses(run, rank) == _losses(ref, rank)
+    assert json.loads((run / "final.json").read_text()) == json.loads(
+        (ref / "final.json").read_text()
+    )
+    with shardpoint.open(run / "checkpoints" / "last.ckpt") as reader:
+        for name in ("model.model.net.3.weight", "model.optimizer.state.net.3.weight.exp_avg"):
+            files = {c.file[:9] for c in reader.entry(name).chunks}
+            assert files == {"rank00000", "rank00001"}  # each rank wrote its half
+        assert reader.state(tensors=False)["lightning"]["ranks"].keys() == {0, 1}

@@ -21,9 +21,11 @@ exactly. Lightning stops on SIGTERM without saving (and exits with status 0):
 data position is Lightning's own: give it a ``torchdata`` ``StatefulDataLoader`` (with
 the sampler owning a seeded generator) and a resumed fit continues at the next batch.
 
-Scope: one process, or strategies whose rank 0 writes the whole checkpoint (DDP); FSDP's
-sharded state dicts bypass ``CheckpointIO`` in Lightning (use ``CheckpointManager``
-directly). Local directories only (the switch of ``last.ckpt`` is a symbolic link).
+``ShardpointCheckpointIO`` serves one process and strategies whose rank 0 writes the
+whole checkpoint (DDP). Sharded training (FSDP2, tensor parallelism) saves without
+``CheckpointIO`` in Lightning: use ``ShardpointModelParallelStrategy``, where every rank
+writes its own shards. Local directories only (the switch of ``last.ckpt`` is a
+symbolic link).
 """
 
 from __future__ import annotations
@@ -38,15 +40,18 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from .. import dist
 from ..background_save import AsyncSaver
 from ..commit import Commit
+from ..loading import load
 from ..reader import CheckpointReader
 from ..saving import save
 from ..storage import open_storage
 from ..training.rng import capture_rng, restore_rng
-from ..training.train_state import streams_for
+from ..training.train_state import TrainState, streams_for
+from ..tree import PerRank
 
 
 class ShardpointCheckpointIO(CheckpointIO):
@@ -139,6 +144,79 @@ def _next_version(path: Path) -> Path:
     raise AssertionError("unreachable")
 
 
+class ShardpointModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 with ``fully_shard``, tensor
+    parallelism) with checkpoints written by shardpoint: every rank writes its own shards
+    of the model and optimizer state, in parallel, into one checkpoint directory
+    committed atomically, and a resumed fit on another number of ranks reshards. Each
+    rank's own part of Lightning's dictionary (loops with its data loader's position,
+    callbacks, schedulers) is kept in that rank's fragment and given back to it, not
+    rank 0's to every rank. ``last.ckpt`` is switched like ``ShardpointCheckpointIO``'s.
+    The directories must be shared by the ranks (Lightning broadcasts rank 0's path).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checkpoint_io = ShardpointCheckpointIO()  # removes what this strategy saved
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError("ShardpointModelParallelStrategy does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        # Saved from the live modules below, each rank its own shards.
+        checkpoint.pop("state_dict", None)
+        checkpoint.pop("optimizer_states", None)
+        previous = None
+        if self.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            previous = _target(path)
+            for leftover in _versions(path) - {previous}:
+                Commit(open_storage(leftover)).delete()
+            version = _next_version(path)
+        version = Path(self.broadcast(str(version) if self.is_global_zero else None))
+        save(self._shardpoint_state(checkpoint), version)
+        if self.is_global_zero:
+            _switch(path, version, previous)
+        self.barrier("ShardpointModelParallelStrategy.save_checkpoint")
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Any = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        state = self._shardpoint_state(None)
+        load(state, path)
+        return state["lightning"].value
+
+    def _shardpoint_state(self, lightning: dict[str, Any] | None) -> dict[str, Any]:
+        if len(self.optimizers) > 1:
+            raise ValueError("ShardpointModelParallelStrategy supports one optimizer")
+        train = TrainState(
+            model=self.model,
+            optimizer=self.optimizers[0] if self.optimizers else None,
+            capture_rng_state=False,  # ResumableRNG's, in Lightning's dictionary
+        )
+        return {"model": train, "lightning": _EachRank(lightning)}
+
+
+class _EachRank:
+    """A value every rank has its own of: saved in the rank's fragment; on load the
+    rank takes its own back (a rank the saved run did not have takes rank 0's)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ranks": PerRank({dist.rank(): self.value})}
+
+    def stored_keys_to_load(self, rel: tuple[object, ...], keys: list[object]) -> Any:
+        if rel == ("ranks",) and keys:
+            return [dist.rank() if dist.rank() in keys else min(keys)]  # type: ignore[type-var]
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        (self.value,) = state["ranks"].values()
+
+
 class ResumableRNG(Callback):
     """Saves every rank's Python, NumPy and torch random streams with every checkpoint
     and puts each rank's own back when a resumed fit starts training (a rank the saved
@@ -150,9 +228,12 @@ class ResumableRNG(Callback):
     def state_dict(self) -> dict[str, Any]:
         # Lightning builds the checkpoint on every rank and rank 0 writes its dict:
         # the streams of every rank go into rank 0's.
-        gathered = dist.gather_json(_encode(capture_rng()))
+        # (A strategy that keeps every rank's dict, ShardpointModelParallelStrategy,
+        # stores each rank's own streams with it as well.)
+        own = capture_rng()
+        gathered = dist.gather_json(_encode(own))
         if gathered is None:
-            return {}
+            return {"streams": {dist.rank(): own}}
         return {"streams": {rank: _decode(streams) for rank, streams in enumerate(gathered)}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -212,4 +293,9 @@ def _decode(value: Any) -> Any:
     return value
 
 
-__all__ = ["ResumableRNG", "SaveOnPreemption", "ShardpointCheckpointIO"]
+__all__ = [
+    "ResumableRNG",
+    "SaveOnPreemption",
+    "ShardpointCheckpointIO",
+    "ShardpointModelParallelStrategy",
+]
