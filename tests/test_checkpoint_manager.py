@@ -273,3 +273,41 @@ def test_state_mismatch_is_raised_not_skipped(tmp_path):
     m.save(1, _state(1))
     with pytest.raises(shardpoint.StateMismatchError):
         m.restore({"w": torch.zeros(5), "step": 0})
+
+
+def _signal_after_the_ranks_agreed(rank: int, world: int, root: str) -> None:
+    manager = CheckpointManager(
+        root, SavePolicy(every_n_steps=2), async_save=True, preemption_signals=(signal.SIGUSR1,)
+    )
+    state = {"w": torch.ones(4)}
+    agree = manager.should_save
+
+    def signal_arrives_right_after(step: int) -> bool:
+        due = agree(step)
+        if rank == 1 and step == 2:
+            signal.raise_signal(signal.SIGUSR1)  # after the agreement, before the save
+        return due
+
+    manager.should_save = signal_arrives_right_after
+    first = manager.save(2, state)  # due by the interval on every rank: in the background
+    assert isinstance(first, shardpoint.AsyncSave) and not manager.should_stop
+    second = manager.save(3, state)  # now every rank preempts: at once, then stop
+    assert isinstance(second, shardpoint.SaveInfo) and manager.should_stop
+    manager.close()
+
+
+def test_a_signal_between_the_agreement_and_the_save_counts_for_the_next_save(tmp_path):
+    """Acting on this rank's flag instead of the agreed answer, rank 1 would save
+    synchronously while rank 0 saves in the background: the collectives would not
+    match and the job would hang; or rank 1 alone would stop."""
+    from distributed import run_ranks_outcomes
+
+    outcomes = run_ranks_outcomes(
+        2,
+        _signal_after_the_ranks_agreed,
+        str(tmp_path / "ckpt"),
+        errors=tmp_path / "err",
+        timeout=60,
+    )
+    assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
+    assert shardpoint.verify(tmp_path / "ckpt" / "step-000000003").ok

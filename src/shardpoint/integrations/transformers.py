@@ -215,7 +215,7 @@ class _SaveOnPreemption(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.checkpoints.should_save(state.global_step):
             control.should_save = True
-            if self.checkpoints.preempted:
+            if self.checkpoints.preempting:  # agreed by every rank, unlike .preempted
                 control.should_training_stop = True
         return control
 

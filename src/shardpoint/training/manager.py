@@ -177,6 +177,7 @@ class CheckpointManager:
         self._saving_to: Any = None  # the async save in flight
         self._last_save = time.monotonic()
         self._signal: int | None = None
+        self._preempting = False  # the latest save decision's, agreed by every rank
         self._stop = False
         self._previous_handlers: dict[int, Any] = {}
         self._install_handlers(preemption_signals)
@@ -444,15 +445,19 @@ class CheckpointManager:
             p.every_n_seconds and time.monotonic() - self._last_save >= p.every_n_seconds
         )
         busy = self._saver is not None and self._saver.busy()
+        # Read once: a signal that arrives from here on counts for the next decision, so
+        # that every rank acts on the same answer (saves together, stops together).
+        signal_seen = self._signal or 0
         if dist.is_distributed():
             # A signal may reach only some ranks, clocks drift and saves finish at
             # different times: agree in one reduction.
             signal_seen, due_by_time, busy = dist.max_of(
-                [self._signal or 0, int(due_by_time), int(busy)]
+                [signal_seen, int(due_by_time), int(busy)]
             )
-            if signal_seen:
+            if signal_seen and self._signal is None:
                 self._signal = signal_seen
-        if self._signal is not None:
+        self._preempting = bool(signal_seen)
+        if signal_seen:
             return True
         if p.continuous and not busy:
             return True
@@ -499,8 +504,10 @@ class CheckpointManager:
         """
         if not force and not self.should_save(step):
             return None
+        if force:
+            self._preempting = self._agreed_preemption()
         path = self.path_for(step)
-        preempting = self._signal is not None
+        preempting = self._preempting
         if self._saver is not None and (preempting or self._saving_to == path):
             self.wait()  # the final save must not race the one in flight
         committed = self.tier.committed(step)
@@ -569,8 +576,17 @@ class CheckpointManager:
 
     def _after_save(self) -> None:
         self._last_save = time.monotonic()
-        if self._signal is not None:
+        if self._preempting:
             self._stop = True
+
+    def _agreed_preemption(self) -> bool:
+        """Whether any rank has seen a preemption signal (read once, agreed by all)."""
+        seen = self._signal or 0
+        if dist.is_distributed():
+            (seen,) = dist.max_of([seen])
+            if seen and self._signal is None:
+                self._signal = seen
+        return bool(seen)
 
     def _apply_retention(self) -> None:
         candidates = []
@@ -639,6 +655,13 @@ class CheckpointManager:
     def preempted(self) -> bool:
         """A preemption signal arrived (the next ``maybe_save`` will save)."""
         return self._signal is not None
+
+    @property
+    def preempting(self) -> bool:
+        """The latest save decision (``should_save``, ``save``) was made for a
+        preemption signal, as every rank agreed; training should stop after this save.
+        (``preempted`` is this rank's own flag, which a signal may set at any moment.)"""
+        return self._preempting
 
     @property
     def should_stop(self) -> bool:
