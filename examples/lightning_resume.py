@@ -76,17 +76,22 @@ class Regressor(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 7, 0.5)}
 
 
-class TimedTrainer(L.Trainer):
-    """Records how long training waits for each save (``RUN_DIR/saves-rank<R>.jsonl``)."""
+class TimedCheckpoint(L.pytorch.callbacks.ModelCheckpoint):
+    """``ModelCheckpoint`` that records how long training waited at each step it saved
+    (its top-k file and ``last.ckpt``, removals included): ``RUN_DIR/saves-rank<R>.jsonl``."""
 
-    saves: Path
+    def __init__(self, timings: Path, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.timings = timings
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         started = time.perf_counter()
-        super().save_checkpoint(*args, **kwargs)
-        seconds = time.perf_counter() - started
-        with open(self.saves, "a") as f:
-            f.write(json.dumps({"step": self.global_step, "seconds": seconds}) + "\n")
+        super().on_train_batch_end(trainer, *args)
+        every = self._every_n_train_steps
+        if every and trainer.global_step % every == 0:
+            seconds = time.perf_counter() - started
+            with open(self.timings, "a") as f:
+                f.write(json.dumps({"step": trainer.global_step, "seconds": seconds}) + "\n")
 
 
 class SignalAt(L.Callback):
@@ -116,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--async-save", action="store_true", help="shardpoint: in background")
     p.add_argument("--hidden", type=int, default=32, help="width of the MLP's hidden layer")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (ModelParallelStrategy)")
+    p.add_argument(
+        "--every-n-steps", type=int, default=5, help="ModelCheckpoint's interval (0: each epoch)"
+    )
     args = p.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     args.run_dir.mkdir(parents=True, exist_ok=True)
@@ -134,12 +142,19 @@ def main(argv: list[str] | None = None) -> int:
         # position is the same number on every rank (its own part of each epoch's
         # permutation) resumes every rank exactly; rank-specific generators would not.
         sampler = StatefulDistributedSampler(data, num_replicas=world, rank=rank, seed=2)
-    loader = StatefulDataLoader(data, batch_size=8, sampler=sampler)
+    # The loader's own generator: starting an epoch draws a seed from it, not from the
+    # global stream ResumableRNG restores (a resume from an epoch's end would be off).
+    loader = StatefulDataLoader(
+        data, batch_size=8, sampler=sampler, generator=torch.Generator().manual_seed(3)
+    )
     checkpoints = args.run_dir / "checkpoints"
     last = checkpoints / "last.ckpt"
     callbacks: list[Any] = [
-        L.pytorch.callbacks.ModelCheckpoint(
-            dirpath=checkpoints, every_n_train_steps=5, save_last=True
+        TimedCheckpoint(
+            args.run_dir / f"saves-rank{rank}.jsonl",
+            dirpath=checkpoints,
+            every_n_train_steps=args.every_n_steps,
+            save_last=True,
         ),
         SignalAt({args.crash_at: signal.SIGKILL, args.sigterm_at: signal.SIGTERM}),
     ]
@@ -154,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         # tensor-parallel dimension, which this model does not use).
         mesh = {"data_parallel_size": world, "tensor_parallel_size": 1}
         strategy = (ModelParallelStrategy if own else ShardpointModelParallelStrategy)(**mesh)
-    trainer = TimedTrainer(
+    trainer = L.Trainer(
         max_steps=args.steps,
         accelerator="cpu",
         devices=world,
@@ -169,7 +184,6 @@ def main(argv: list[str] | None = None) -> int:
         enable_model_summary=False,
         logger=False,
     )
-    trainer.saves = args.run_dir / f"saves-rank{rank}.jsonl"
     model = Regressor(args.run_dir / f"losses-rank{rank}.jsonl", args.hidden, args.fsdp)
     trainer.fit(model, loader, ckpt_path="last" if last.exists() else None)
     weights = {k: _whole(v).tolist() for k, v in model.state_dict().items()}  # collective

@@ -122,6 +122,10 @@ def test_the_state_holds_what_save_state_saves_and_refuses_two_models(tmp_path):
     assert torch.equal(model.weight, stored["train"]["model"]["weight"])
     assert counter.n == 5 and accelerator.step == 7 and scheduler.scheduler.last_epoch == 0
 
+    # A plain (not stateful) prepared loader: its position is the loop's business.
+    accelerator.prepare(torch.utils.data.DataLoader(torch.zeros(4, 2), batch_size=2))
+    assert accelerator_state(accelerator)["dataloaders"] == {}
+
     accelerator.prepare(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="one prepared model"):
         accelerator_state(accelerator)

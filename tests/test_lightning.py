@@ -155,3 +155,27 @@ def test_fsdp2_ranks_write_their_own_shards_and_resume_bit_identical(tmp_path_fa
             files = {c.file[:9] for c in reader.entry(name).chunks}
             assert files == {"rank00000", "rank00001"}  # each rank wrote its half
         assert reader.state(tensors=False)["lightning"]["ranks"].keys() == {0, 1}
+
+
+def test_a_link_lightning_made_is_replaced_or_removed_and_its_target_kept(tmp_path):
+    """``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` a link to a top-k
+    checkpoint: saving or removing ``last.ckpt`` must not delete that checkpoint."""
+    import torch
+
+    from shardpoint.integrations.lightning import ShardpointCheckpointIO
+
+    io = ShardpointCheckpointIO()
+    top_k = tmp_path / "epoch=0-step=5.ckpt"
+    io.save_checkpoint({"w": torch.ones(3), "global_step": 5}, top_k)
+    last = tmp_path / "last.ckpt"
+    os.symlink(top_k.name, last)  # as Lightning links it
+    io.save_checkpoint({"w": torch.zeros(3), "global_step": 6}, last)
+    assert os.readlink(last) == "last.ckpt.0"
+    assert shardpoint.verify(top_k).ok
+    os.replace(last, tmp_path / "mine")
+    os.symlink(top_k.name, last)
+    io.remove_checkpoint(last)
+    assert not last.exists() and shardpoint.verify(top_k).ok
+    (tmp_path / "other.ckpt").mkdir()
+    with pytest.raises(FileExistsError, match="did not write"):
+        io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "other.ckpt")

@@ -53,8 +53,11 @@ def accelerator_state(accelerator: Any) -> dict[str, Any]:
             scaler=accelerator.scaler,
         ),
         "schedulers": {str(i): s for i, s in enumerate(accelerator._schedulers)},
+        # Accelerate's loaders all define state_dict; only stateful ones can answer it.
         "dataloaders": {
-            str(i): d for i, d in enumerate(accelerator._dataloaders) if is_stateful(d)
+            str(i): d
+            for i, d in enumerate(accelerator._dataloaders)
+            if getattr(d, "use_stateful_dataloader", False) and is_stateful(d)
         },
         "registered": {str(i): obj for i, obj in enumerate(custom)},
         "accelerator": _StepCounter(accelerator),

@@ -41,6 +41,7 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .. import dist
 from ..background_save import AsyncSaver
@@ -66,6 +67,7 @@ class ShardpointCheckpointIO(CheckpointIO):
 
     def __init__(self, async_save: bool = False) -> None:
         self._saver = AsyncSaver() if async_save else None
+        self._saving: Path | None = None  # the name whose background save is in flight
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
@@ -88,6 +90,7 @@ class ShardpointCheckpointIO(CheckpointIO):
                 switch(None, None)
             else:
                 self._saver.save(checkpoint, version, on_done=switch)
+                self._saving = path
 
     def load_checkpoint(
         self, path: Any, map_location: Any = None, weights_only: Any = None, **kwargs: Any
@@ -97,11 +100,12 @@ class ShardpointCheckpointIO(CheckpointIO):
             return reader.state()
 
     def remove_checkpoint(self, path: Any) -> None:
-        self._wait()
         path = Path(path)
+        if path == self._saving:
+            self._wait()  # other names need not wait for the save in flight
         target = _target(path)
         if path.is_symlink():
-            path.unlink()
+            path.unlink()  # a link Lightning made (save_last="link") goes, its target stays
         if target is not None:
             Commit(open_storage(target)).delete()
 
@@ -110,6 +114,7 @@ class ShardpointCheckpointIO(CheckpointIO):
 
     def _wait(self) -> None:
         if self._saver is not None:
+            self._saving = None
             self._saver.wait()  # raises a background save's error
 
 
@@ -124,10 +129,17 @@ def _switch(path: Path, version: Path, previous: Path | None) -> None:
 
 
 def _target(path: Path) -> Path | None:
-    """The checkpoint directory ``path`` names (through its link), if any."""
+    """The version directory (``NAME.<n>``) the link ``path`` names, if it is one of
+    ours; a link Lightning made to another checkpoint is not ours to delete."""
     if path.is_symlink():
-        return path.parent / os.readlink(path)
-    return path if path.is_dir() else None
+        target = path.parent / os.readlink(path)
+        return target if target in _versions(path) else None
+    if path.is_dir():
+        raise FileExistsError(
+            f"{path} is a directory that ShardpointCheckpointIO did not write (it writes "
+            f"{path.name}.<n> and links {path.name} to it): move it away"
+        )
+    return None
 
 
 def _versions(path: Path) -> set[Path]:
@@ -246,15 +258,29 @@ class ResumableRNG(Callback):
 
 
 class SaveOnPreemption(Callback):
-    """After a SIGTERM (on any rank) saves ``last.ckpt`` at the end of the step, then
-    exits with 143, the status schedulers read as "terminated, requeue". ``dirpath``:
-    where ``last.ckpt`` goes; by default the ``ModelCheckpoint``'s directory, where
-    ``ckpt_path="last"`` looks."""
+    """After a SIGTERM (on any rank) saves ``last.ckpt`` at the end of the step (or of
+    the epoch), then exits with 143, the status schedulers read as "terminated,
+    requeue". A signal Lightning acts on first (during validation) still exits with
+    143, with the newest checkpoint saved before it. ``dirpath``: where ``last.ckpt``
+    goes; by default the ``ModelCheckpoint``'s directory, where ``ckpt_path="last"``
+    looks."""
 
     def __init__(self, dirpath: str | os.PathLike[str] | None = None) -> None:
         self.dirpath = dirpath
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        self._save_if_signalled(trainer)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._save_if_signalled(trainer)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # A signal caught elsewhere (validation, Lightning's own checks): no consistent
+        # point to save at, but the exit status must still say "terminated".
+        if isinstance(exception, SIGTERMException) and exception.code in (None, 0):
+            exception.code = 128 + signal.SIGTERM
+
+    def _save_if_signalled(self, trainer: Any) -> None:
         received = int(trainer.received_sigterm)
         if dist.is_distributed():
             (received,) = dist.max_of([received])  # the signal may reach one rank only

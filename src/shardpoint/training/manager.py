@@ -451,9 +451,7 @@ class CheckpointManager:
         if dist.is_distributed():
             # A signal may reach only some ranks, clocks drift and saves finish at
             # different times: agree in one reduction.
-            signal_seen, due_by_time, busy = dist.max_of(
-                [signal_seen, int(due_by_time), int(busy)]
-            )
+            signal_seen, due_by_time, busy = dist.max_of([signal_seen, int(due_by_time), int(busy)])
             if signal_seen and self._signal is None:
                 self._signal = signal_seen
         self._preempting = bool(signal_seen)
