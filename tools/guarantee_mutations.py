@@ -417,6 +417,17 @@ MUTATIONS = [
         "                if False:",
         (HOSTILE + "test_a_huge_sparse_index_is_refused_before_it_is_read",),
     ),
+    Mutation(
+        "save reads the signal flag again",
+        "every rank acts on the same preemption decision",
+        "src/shardpoint/training/manager.py",
+        "        preempting = self._preempting\n",
+        "        preempting = self._signal is not None\n",
+        (
+            "tests/test_checkpoint_manager.py::"
+            "test_a_signal_between_the_agreement_and_the_save_counts_for_the_next_save",
+        ),
+    ),
 ]
 
 
