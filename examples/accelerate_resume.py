@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -91,7 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and not checkpoints.should_stop:
         weights = {k: v.tolist() for k, v in accelerator.unwrap_model(model).state_dict().items()}
         (args.run_dir / "final.json").write_text(json.dumps(weights))
+    # Every rank done, the group down, then exit at once: Python's own teardown after a
+    # gloo group sometimes aborted ("terminate called without an active exception")
+    # here; the work is done.
+    distributed = accelerator.num_processes > 1
+    accelerator.wait_for_everyone()
     accelerator.end_training()
+    if distributed:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(checkpoints.exit_code)
     return checkpoints.exit_code
 
 

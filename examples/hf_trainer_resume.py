@@ -121,12 +121,18 @@ def _crash_in_save(trainer: Any, step: int, own: bool) -> None:
         Commit.finish = crashing_finish
 
 
-def _leave_process_group() -> None:
-    """Every rank done before the group goes: exiting with it alive, or tearing it down
-    while a peer still uses it, sometimes aborted or hung in gloo's threads here."""
+def _leave(code: int) -> int:
+    """Under torchrun: every rank done, then the process group down, then exit at once.
+    Python's own teardown after a gloo group sometimes aborted ("terminate called
+    without an active exception") or hung here, whatever saved the checkpoints; the
+    work is done and flushed by then."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,16 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.own_checkpoints and trainer.checkpoints.should_stop:
         print(f"preempted: saved step {trainer.state.global_step}, exiting", flush=True)
         trainer.checkpoints.close()
-        _leave_process_group()
-        return trainer.checkpoints.exit_code
+        return _leave(trainer.checkpoints.exit_code)
     if rank == 0:
         digest = hashlib.sha256()
         for name, tensor in sorted(trainer.model.state_dict().items()):
             digest.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
         result = {"weights_sha256": digest.hexdigest(), "seconds": time.perf_counter() - started}
         (args.run_dir / "final.json").write_text(json.dumps(result))
-    _leave_process_group()
-    return 0
+    return _leave(0)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -190,10 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         (args.run_dir / "final.json").write_text(json.dumps(weights))
     if torch.distributed.is_initialized():
-        # Lightning leaves the process group up; exiting with it alive sometimes aborted
-        # in gloo's threads here. Every rank done first, then down.
+        # Lightning leaves the process group up. Every rank done, the group down, then
+        # exit at once: Python's own teardown after a gloo group sometimes aborted
+        # ("terminate called without an active exception") here; the work is done.
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
