@@ -15,6 +15,10 @@ rank's load planning (parse the index, find the chunks of its own region, read i
 fragment). Version 1's figures at this scale are extrapolated from a 64-rank sample
 of the same layout (a 16,384-rank v1 index would take tens of GB), and say so.
 
+Also the planning of shared reads (``load(..., share_reads=True)``) at 4,096 ranks:
+what each rank receives, before (every rank's region list) and now (digests, and its
+own part of rank 0's plan).
+
     python bench/bench_plan_scale.py [--ranks 16384] [--quick]
 """
 
@@ -175,6 +179,31 @@ def v1_case(name: str, ranks: int, params: int, sample: int) -> dict[str, float]
     }
 
 
+def shared_reads_case(ranks: int, regions: int, replicas: int) -> dict[str, float]:
+    """``load(..., share_reads=True)`` planning: what each rank receives, and rank 0's
+    planning time. ``replicas`` ranks need each shard (DDP: every rank; HSDP: a replica
+    group); before, every rank received every rank's region list (one all-gather)."""
+    from shardpoint.shared_reads import assign_readers
+
+    groups = ranks // replicas  # distinct lists: one per shard group
+    lists = {
+        f"g{g}": [[f"w{i}|[{g * 64}]|[64, 128]", 64 * 128 * 4] for i in range(regions)]
+        for g in range(groups)
+    }
+    digests = [f"g{r % groups}" for r in range(ranks)]
+    list_bytes = len(json.dumps(lists["g0"]))
+    start = time.perf_counter()
+    parts = assign_readers(lists, digests)
+    plan_s = time.perf_counter() - start
+    facts = ranks * len(json.dumps({"error": None, "digest": "0123456789abcdef"}))
+    return {
+        "before_bytes_per_rank": ranks * list_bytes,
+        "after_rank0_bytes": groups * list_bytes + facts,
+        "after_bytes_per_rank": facts + max(len(json.dumps(p)) for p in parts[:replicas]),
+        "rank0_plan_s": plan_s,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -203,6 +232,16 @@ def main() -> None:
         for label, old, new in rows:
             left = f"{old:18.2f}" if old is not None else " " * 18
             print(f"{label:36} {left} {new:14.2f}")
+    shared_ranks = 1024 if args.quick else 4096
+    for label, replicas in (("DDP", shared_ranks), ("HSDP, 2 replicas", 2)):
+        r = shared_reads_case(shared_ranks, 500, replicas)
+        results[f"shared_reads {label}"] = r
+        print(
+            f"\nshared reads, {label}: {shared_ranks:,} ranks x 500 regions: each rank "
+            f"received {r['before_bytes_per_rank'] / 1e6:.1f} MB before, now "
+            f"{r['after_bytes_per_rank'] / 1e6:.2f} MB (rank 0: "
+            f"{r['after_rank0_bytes'] / 1e6:.2f} MB in, plans in {r['rank0_plan_s']:.2f} s)"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
 

@@ -108,3 +108,36 @@ def test_a_checksum_error_on_the_rank_that_reads_fails_every_rank_and_changes_no
     data[chunk["byte_range"][0] + 5] ^= 0xFF
     (damaged / chunk["file"]).write_bytes(bytes(data))
     run_ranks(4, _load_corrupt, str(damaged))
+
+
+def test_rank_0_plans_from_each_distinct_list_once_and_every_shared_region_has_one_reader():
+    """DDP: 64 ranks need the same 100 regions, sent once as one list; HSDP: two
+    replica groups. Each shared region is read by exactly one of the ranks that need it,
+    sent to the others, the reading split evenly; a rank's part lists only its regions."""
+    from shardpoint.shared_reads import assign_readers
+
+    regions = [[f"w{i}|[0]|[10]", 40] for i in range(100)]
+    parts = assign_readers({"ddp": regions}, ["ddp"] * 64)
+    for tag in range(100):
+        readers = [
+            r
+            for r, part in enumerate(parts)
+            for t, _, to in part
+            if t == tag and isinstance(to, list)
+        ]
+        receivers = [
+            r
+            for r, part in enumerate(parts)
+            for t, _, src in part
+            if t == tag and isinstance(src, int)
+        ]
+        assert len(readers) == 1 and sorted(readers + receivers) == list(range(64))
+    assert all(len(part) == 100 for part in parts)  # its own regions, not ranks × regions
+    reads = [sum(isinstance(to, list) for _, _, to in part) for part in parts]
+    assert max(reads) - min(reads) <= 1
+
+    shard_a = [["w|[0]|[5]", 20]]
+    shard_b = [["w|[5]|[5]", 20]]
+    parts = assign_readers({"a": shard_a, "b": shard_b}, ["a", "b", "a", "b"])
+    assert parts[0] == [[0, "w|[0]|[5]", [2]]] and parts[2] == [[0, "w|[0]|[5]", 0]]
+    assert parts[1] == [[1, "w|[5]|[5]", [3]]] and parts[3] == [[1, "w|[5]|[5]", 1]]

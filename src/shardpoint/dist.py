@@ -154,6 +154,32 @@ def gather_some_json(value: Any, dst: int = 0, group: Any = None) -> list[Any] |
     return out
 
 
+def scatter_json(values: list[Any] | None, src: int = 0, group: Any = None) -> Any:
+    """Rank ``src`` gives each rank its own value (``values[rank]``; None elsewhere):
+    one scatter of the sizes, then each payload point to point, so a rank receives its
+    own bytes only."""
+    if not is_distributed():
+        assert values is not None
+        return values[0]
+    group = _cpu_group() if group is None else group
+    me = rank()
+    size = torch.zeros(1, dtype=torch.int64)
+    if me == src:
+        assert values is not None
+        payloads = [json.dumps(v).encode() for v in values]
+        sizes = [torch.tensor([len(p)]) for p in payloads]
+        dist.scatter(size, sizes, src=src, group=group)
+        for r, payload in enumerate(payloads):
+            if r != me:
+                data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                dist.send(data, dst=r, group=group)
+        return values[me]
+    dist.scatter(size, None, src=src, group=group)
+    buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(buffer, src=src, group=group)
+    return json.loads(buffer.numpy().tobytes())
+
+
 def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
     """``value`` from rank ``src`` on every rank."""
     if not is_distributed():

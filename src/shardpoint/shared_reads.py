@@ -2,10 +2,11 @@
 
 Under DDP every rank needs every parameter; under HSDP each replica group needs the
 same shards. Without sharing, N replicas read the same bytes N times from storage. With
-it, the ranks exchange what each must fill (one all-gather), every region needed by
-several ranks is read and verified by one of them — the least loaded so far, so
-replicas split the reading — and sent to the others over ``torch.distributed``, after
-every rank reported its reads verified (a second small all-gather). Every rank must
+it, rank 0 learns each distinct list of regions the ranks must fill and plans; every
+region needed by several ranks is read and verified by one of them — the least loaded
+so far, so replicas split the reading — and sent to the others over
+``torch.distributed``, after every rank reported its reads verified (a small
+all-gather). Every rank must
 call ``load`` with it, so it is opt-in; ``CheckpointManager.restore`` uses it.
 
 Only CPU destinations are shared (the exchange runs on the CPU group); others are read
@@ -14,10 +15,12 @@ by each rank as before.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 
 from . import dist
 from .errors import CheckpointError
@@ -65,7 +68,12 @@ def plan_shared_reads(
 ) -> SharedReads:
     """Agree with every rank on who reads each region several ranks need, and take the
     regions other ranks read out of ``reads``. Raises on every rank if any rank failed
-    to prepare its load (``error``, and no ``reads``)."""
+    to prepare its load (``error``, and no ``reads``).
+
+    What crosses the wire does not grow with ranks × tensors: every rank sends a digest
+    of its region list (one small all-gather), rank 0 receives each *distinct* list once
+    (under DDP all ranks need the same regions: one list), plans, and each rank
+    receives only its own part of the plan."""
     mine: dict[str, Region] = {}
     if reads is not None:
         for name, regions in reads.regions.items():
@@ -73,36 +81,62 @@ def plan_shared_reads(
                 if r.tensor.device.type == "cpu":
                     mine[f"{name}|{list(r.offsets)}|{list(r.tensor.shape)}"] = r
     wanted = [[k, r.tensor.numel() * r.tensor.element_size()] for k, r in mine.items()]
-    gathered = dist.all_gather_json(
-        {"error": f"rank {dist.rank()}: {error}" if error else None, "wanted": wanted}, group
+    digest = xxhash.xxh3_64_hexdigest(json.dumps(wanted).encode())
+    facts = dist.all_gather_json(
+        {"error": f"rank {dist.rank()}: {error}" if error else None, "digest": digest}, group
     )
-    _raise_if_failed(error, [g["error"] for g in gathered], where)
-    holders: dict[str, list[int]] = {}
-    sizes: dict[str, int] = {}
-    for rank, g in enumerate(gathered):
-        for key, nbytes in g["wanted"]:
-            holders.setdefault(key, []).append(rank)
-            sizes[key] = nbytes
-    me = dist.rank()
-    load = [0] * len(gathered)
+    _raise_if_failed(error, [f["error"] for f in facts], where)
+    digests = [f["digest"] for f in facts]
+    first = digests.index(digest) == dist.rank()  # this rank speaks for its list
+    lists = dist.gather_some_json(wanted if first else None, 0, group)
+    parts = None
+    if lists is not None:
+        distinct = {digests[r]: lst for r, lst in enumerate(lists) if lst is not None}
+        parts = assign_readers(distinct, digests)
+    part = dist.scatter_json(parts, 0, group)
     plan = SharedReads()
-    shared = sorted(key for key, ranks in holders.items() if len(ranks) > 1)
-    for tag, key in enumerate(shared):
-        ranks = holders[key]
-        reader = min(ranks, key=lambda r: (load[r], r))
-        load[reader] += sizes[key]
-        if me not in ranks:
-            continue
+    for tag, key, readers in part:
         region = mine[key]
         assert reads is not None
-        if reader == me:
-            plan.sends.append((tag, region.tensor, [r for r in ranks if r != me]))
-            plan.read_bytes += sizes[key]
-        else:
-            plan.receives.append((tag, region, reader))
+        if isinstance(readers, list):  # this rank reads it and sends it to these
+            plan.sends.append((tag, region.tensor, readers))
+            plan.read_bytes += region.tensor.numel() * region.tensor.element_size()
+        else:  # rank ``readers`` reads it for this one
+            plan.receives.append((tag, region, readers))
             name = key.split("|", 1)[0]
             reads.regions[name] = [r for r in reads.regions[name] if r is not region]
     return plan
+
+
+def assign_readers(
+    distinct: dict[str, list[list[Any]]], digests: list[str]
+) -> list[list[list[Any]]]:
+    """Rank 0's plan: for each region several ranks need (by key), the reader is the
+    least loaded of them so far, so replicas split the reading. ``distinct``: each
+    distinct region list (``[key, bytes]`` pairs) by digest; ``digests``: each rank's.
+    Returns each rank's part: ``[tag, key, [ranks to send to]]`` where it reads,
+    ``[tag, key, reader]`` where it receives; tags number the shared regions."""
+    holders: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    ranks_of: dict[str, list[int]] = {}
+    for rank, d in enumerate(digests):
+        ranks_of.setdefault(d, []).append(rank)
+    for d, ranks in ranks_of.items():
+        for key, nbytes in distinct[d]:
+            holders.setdefault(key, []).extend(ranks)
+            sizes[key] = nbytes
+    load = [0] * len(digests)
+    parts: list[list[list[Any]]] = [[] for _ in digests]
+    shared = sorted(key for key, ranks in holders.items() if len(ranks) > 1)
+    for tag, key in enumerate(shared):
+        ranks = sorted(holders[key])
+        reader = min(ranks, key=lambda r: (load[r], r))
+        load[reader] += sizes[key]
+        parts[reader].append([tag, key, [r for r in ranks if r != reader]])
+        for r in ranks:
+            if r != reader:
+                parts[r].append([tag, key, reader])
+    return parts
 
 
 def exchange(plan: SharedReads, undo: Undo, group: Any) -> None:
