@@ -11,47 +11,21 @@ schedule, Accelerate's stateful data loader (25 batches per epoch), a checkpoint
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from example_runs import losses, run_example, steps_run
 
 import shardpoint
-
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "accelerate_resume.py"
 
 pytestmark = pytest.mark.slow
 
 
 def _run(run_dir: Path, *extra: str, ranks: int = 1) -> subprocess.CompletedProcess:
-    script = [str(SCRIPT), "--run-dir", str(run_dir), "--steps", "40", *extra]
-    if ranks == 1:
-        args = [sys.executable, *script]
-    else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-        args += ["--master-port", str(port), *script]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
-
-
-def _losses(run_dir: Path, rank: int = 0) -> dict[int, str]:
-    out = {}
-    for line in (run_dir / f"losses-rank{rank}.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        out[record["step"]] = record["loss"]  # a step run again after a resume overrides
-    return out
-
-
-def _steps_run(run_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run_dir / "losses-rank0.jsonl").open()]
+    return run_example("accelerate_resume.py", run_dir, *extra, ranks=ranks)
 
 
 def _final(run_dir: Path) -> dict:
@@ -72,8 +46,8 @@ def test_a_killed_loop_resumes_bit_identical(tmp_path, reference, crash_at):
     resumed = _run(tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     newest = crash_at - crash_at % 5
-    assert _steps_run(tmp_path)[crash_at] == newest + 1  # resumed after the newest save
-    assert _losses(tmp_path) == _losses(reference)
+    assert steps_run(tmp_path)[crash_at] == newest + 1  # resumed after the newest save
+    assert losses(tmp_path) == losses(reference)
     assert _final(tmp_path) == _final(reference)
 
 
@@ -82,8 +56,8 @@ def test_sigterm_saves_at_once_and_the_loop_resumes_without_repeating_a_step(tmp
     assert preempted.returncode == 143, preempted.stderr
     assert (tmp_path / "checkpoints" / "step-000000017").is_dir()
     assert _run(tmp_path).returncode == 0
-    assert _steps_run(tmp_path) == list(range(1, 41))
-    assert _losses(tmp_path) == _losses(reference)
+    assert steps_run(tmp_path) == list(range(1, 41))
+    assert losses(tmp_path) == losses(reference)
     assert _final(tmp_path) == _final(reference)
 
 
@@ -95,8 +69,8 @@ def test_two_ddp_ranks_killed_and_resumed_continue_bit_identical(tmp_path_factor
     resumed = _run(run, ranks=2)
     assert resumed.returncode == 0, resumed.stderr
     for rank in (0, 1):
-        assert _losses(run, rank) == _losses(ref, rank)
-    assert _losses(ref, 0) != _losses(ref, 1)
+        assert losses(run, rank) == losses(ref, rank)
+    assert losses(ref, 0) != losses(ref, 1)
     assert _final(run) == _final(ref)
 
 

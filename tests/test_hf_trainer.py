@@ -10,53 +10,21 @@ checkpoint every 5 steps.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from example_runs import losses, run_example, steps_run
 
 import shardpoint
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples" / "hf_trainer_resume.py"
 
 pytestmark = pytest.mark.slow
 
 
 def _run(run_dir: Path, *extra: str, ranks: int = 1) -> subprocess.CompletedProcess:
-    script = [str(SCRIPT), "--run-dir", str(run_dir), "--steps", "40", *extra]
-    if ranks == 1:
-        args = [sys.executable, *script]
-    else:
-        args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-        args += ["--master-port", str(_free_port()), *script]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _losses(run_dir: Path, rank: int = 0) -> dict[int, str]:
-    out = {}
-    for line in (run_dir / f"losses-rank{rank}.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        out[record["step"]] = record["loss"]  # a step run again after a resume overrides
-    return out
-
-
-def _steps_run(run_dir: Path) -> list[int]:
-    lines = (run_dir / "losses-rank0.jsonl").read_text().splitlines()
-    return [json.loads(line)["step"] for line in lines]
+    return run_example("hf_trainer_resume.py", run_dir, *extra, ranks=ranks)
 
 
 def _weights(run_dir: Path) -> str:
@@ -83,8 +51,8 @@ def test_a_killed_run_resumes_bit_identical(tmp_path, reference, crash_at):
     assert resumed.returncode == 0, resumed.stderr
     newest = crash_at - crash_at % 5
     # Steps after the newest checkpoint ran again, and gave the same losses.
-    assert _steps_run(tmp_path)[crash_at : crash_at + 2] == [newest + 1, newest + 2]
-    assert _losses(tmp_path) == _losses(reference)
+    assert steps_run(tmp_path)[crash_at : crash_at + 2] == [newest + 1, newest + 2]
+    assert losses(tmp_path) == losses(reference)
     assert _weights(tmp_path) == _weights(reference)
     assert shardpoint.verify(_checkpoints(tmp_path) / "step-000000040").ok
 
@@ -95,8 +63,8 @@ def test_sigterm_saves_at_once_exits_143_and_resumes_without_repeating_a_step(tm
     assert "preempted: saved step 17" in preempted.stdout
     assert (_checkpoints(tmp_path) / "step-000000017").is_dir()
     assert _run(tmp_path).returncode == 0
-    assert _steps_run(tmp_path) == list(range(1, 41))  # nothing lost, nothing repeated
-    assert _losses(tmp_path) == _losses(reference)
+    assert steps_run(tmp_path) == list(range(1, 41))  # nothing lost, nothing repeated
+    assert losses(tmp_path) == losses(reference)
     assert _weights(tmp_path) == _weights(reference)
 
 
@@ -110,8 +78,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_the_resume_stays_exact(tmp_p
     resumed = _run(tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "step-000000020" in resumed.stderr  # the warning names what was skipped
-    assert _steps_run(tmp_path)[23:25] == [16, 17]  # from step 15
-    assert _losses(tmp_path) == _losses(reference)
+    assert steps_run(tmp_path)[23:25] == [16, 17]  # from step 15
+    assert losses(tmp_path) == losses(reference)
     assert _weights(tmp_path) == _weights(reference)
 
 
@@ -123,8 +91,8 @@ def test_two_ddp_ranks_killed_and_resumed_continue_bit_identical(tmp_path_factor
     resumed = _run(run, ranks=2)
     assert resumed.returncode == 0, resumed.stderr
     for rank in (0, 1):  # each rank's own batches and dropout masks
-        assert _losses(run, rank) == _losses(ref, rank)
-    assert _losses(ref, 0) != _losses(ref, 1)
+        assert losses(run, rank) == losses(ref, rank)
+    assert losses(ref, 0) != losses(ref, 1)
     assert _weights(run) == _weights(ref)
     state = shardpoint.open(_checkpoints(run) / "step-000000040").state(tensors=False)
     assert sorted(state["rng"]) == [0, 1]  # every rank's streams
@@ -150,6 +118,6 @@ def test_a_finished_run_started_again_trains_no_further_step(tmp_path, reference
     shutil.copytree(reference, run)
     again = _run(run)
     assert again.returncode == 0, again.stderr
-    assert _steps_run(run) == list(range(1, 41))
+    assert steps_run(run) == list(range(1, 41))
     assert not (_checkpoints(run) / "step-000000041").exists()
     assert _weights(run) == _weights(reference)

@@ -12,31 +12,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from example_runs import losses, run_example, steps_run
 
 import shardpoint
-
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "lightning_resume.py"
 
 pytestmark = pytest.mark.slow
 
 
 def _run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    args = [sys.executable, str(SCRIPT), "--run-dir", str(run_dir), "--steps", "40", *extra]
-    return subprocess.run(args, capture_output=True, text=True, timeout=300)
-
-
-def _losses(run_dir: Path, rank: int = 0) -> dict[int, str]:
-    out = {}
-    for line in (run_dir / f"losses-rank{rank}.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        out[record["step"]] = record["loss"]  # a step run again after a resume overrides
-    return out
+    return run_example("lightning_resume.py", run_dir, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +42,8 @@ def test_a_killed_fit_resumes_bit_identical_from_last(tmp_path, reference, crash
     resumed = _run(tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
-    assert sorted(_losses(tmp_path)) == list(range(1, 41))
-    assert _losses(tmp_path) == _losses(reference)
+    assert sorted(losses(tmp_path)) == list(range(1, 41))
+    assert losses(tmp_path) == losses(reference)
     final = json.loads((tmp_path / "final.json").read_text())
     assert final == json.loads((reference / "final.json").read_text())
     last = tmp_path / "checkpoints" / "last.ckpt"
@@ -67,7 +55,7 @@ def test_without_the_rng_callback_the_resumed_fit_differs(tmp_path, reference):
     dropout masks after a resume the uninterrupted run's."""
     assert _run(tmp_path, "--without-rng", "--crash-at", "12").returncode == -signal.SIGKILL
     assert _run(tmp_path, "--without-rng").returncode == 0
-    assert _losses(tmp_path) != _losses(reference)
+    assert losses(tmp_path) != losses(reference)
 
 
 def test_save_last_replaces_the_previous_checkpoint_and_leaves_no_other_version(reference):
@@ -85,19 +73,12 @@ def test_sigterm_saves_last_at_once_exits_143_and_resumes_exactly(tmp_path, refe
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert shardpoint.open(last).state(tensors=False)["global_step"] == 17
     assert _run(tmp_path).returncode == 0
-    steps = [json.loads(line)["step"] for line in (tmp_path / "losses-rank0.jsonl").open()]
-    assert steps == list(range(1, 41))  # nothing lost, nothing run twice
-    assert _losses(tmp_path) == _losses(reference)
+    assert steps_run(tmp_path) == list(range(1, 41))  # nothing lost, nothing run twice
+    assert losses(tmp_path) == losses(reference)
 
 
 def _torchrun(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    args += ["--master-port", str(port), str(SCRIPT), "--run-dir", str(run_dir), "--steps", "40"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*args, *extra], capture_output=True, text=True, timeout=300, env=env)
+    return run_example("lightning_resume.py", run_dir, *extra, ranks=2)
 
 
 def test_two_ddp_ranks_killed_and_resumed_continue_bit_identical(tmp_path_factory):
@@ -110,7 +91,7 @@ def test_two_ddp_ranks_killed_and_resumed_continue_bit_identical(tmp_path_factor
     resumed = _torchrun(run)
     assert resumed.returncode == 0, resumed.stderr
     for rank in (0, 1):
-        assert _losses(run, rank) == _losses(ref, rank)
+        assert losses(run, rank) == losses(ref, rank)
     assert json.loads((run / "final.json").read_text()) == json.loads(
         (ref / "final.json").read_text()
     )
@@ -128,7 +109,7 @@ def test_async_saves_resume_bit_identical_and_clear_a_crashed_saves_leftover(tmp
     (leftover / "rank00000-00000.safetensors").write_bytes(b"partial")
     resumed = _run(tmp_path, "--async-save")
     assert resumed.returncode == 0, resumed.stderr
-    assert _losses(tmp_path) == _losses(reference)
+    assert losses(tmp_path) == losses(reference)
     assert json.loads((tmp_path / "final.json").read_text()) == json.loads(
         (reference / "final.json").read_text()
     )
@@ -146,7 +127,7 @@ def test_fsdp2_ranks_write_their_own_shards_and_resume_bit_identical(tmp_path_fa
     resumed = _torchrun(run, "--fsdp")
     assert resumed.returncode == 0, resumed.stderr
     for rank in (0, 1):
-        assert _losses(run, rank) == _losses(ref, rank)
+        assert losses(run, rank) == losses(ref, rank)
     assert json.loads((run / "final.json").read_text()) == json.loads(
         (ref / "final.json").read_text()
     )
