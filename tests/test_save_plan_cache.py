@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
+import torch.distributed as tdist
 from distributed import run_ranks
 
 import shardpoint
@@ -13,9 +14,16 @@ from shardpoint import dist as sp_dist
 
 
 def _count_collectives(log: list[tuple[str, int]]) -> None:
-    """Record every collective of shardpoint's coordination layer and its payload size."""
-    depth = [0]  # broadcast_json is built on all_gather_json: count the outer call only
-    for name in ("all_gather_json", "gather_json", "broadcast_json"):
+    """Record every call of shardpoint's coordination layer and its payload size."""
+    depth = [0]  # first_error is built on max_of: count the outer call only
+    for name in (
+        "all_gather_json",
+        "gather_json",
+        "gather_some_json",
+        "broadcast_json",
+        "max_of",
+        "first_error",
+    ):
         real = getattr(sp_dist, name)
 
         def counted(value, *args, _real=real, _name=name, **kwargs):
@@ -28,6 +36,33 @@ def _count_collectives(log: list[tuple[str, int]]) -> None:
                 depth[0] -= 1
 
         setattr(sp_dist, name, counted)
+
+
+def _count_received(log: list[tuple[str, int]]) -> None:
+    """Record every torch.distributed call of this rank and the bytes it received."""
+
+    def size(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    received = {
+        "all_gather": lambda out, *a, **k: size(out),
+        "all_reduce": lambda t, *a, **k: size([t]),
+        "gather": lambda t, out=None, *a, **k: size(out or []),
+        "scatter": lambda t, *a, **k: size([t]),
+        "broadcast": lambda t, src, *a, **k: 0 if tdist.get_rank() == src else size([t]),
+        "recv": lambda t, *a, **k: size([t]),
+        "send": lambda t, *a, **k: 0,
+        "barrier": lambda *a, **k: 0,
+    }
+    for name, counter in received.items():
+        real = getattr(tdist, name)
+
+        def counted(*args, _real=real, _name=name, _counter=counter, **kwargs):
+            result = _real(*args, **kwargs)
+            log.append((_name, _counter(*args, **kwargs)))
+            return result
+
+        setattr(tdist, name, counted)
 
 
 def _state(rank: int, step: int, own_rows: int) -> dict:
@@ -67,13 +102,15 @@ def test_an_unchanged_structure_is_not_gathered_again_and_a_change_on_one_rank_i
     run_ranks(2, _saves, str(tmp_path), 2)
     per_save = json.loads((tmp_path / "collectives.json").read_text())
     kinds = [[kind for kind, _ in save] for save in per_save]
-    # First save: the agreement, the structure gather, the commit's gather and outcome.
-    assert kinds[0] == ["all_gather_json", "all_gather_json", "gather_json", "broadcast_json"]
-    # Unchanged structure: the agreement alone before writing, no structure payload.
-    assert kinds[1] == ["all_gather_json", "gather_json", "broadcast_json"]
-    agreement = per_save[1][0][1]
-    structure = per_save[0][1][1]
-    assert agreement < 200 < structure  # 50 replicated tensors are not sent again
+    # First save: the agreement (no plan yet), every rank's errors and structure, the
+    # structure gather, the sharded entries (none here), the commit's gather and outcome.
+    first = ["max_of", "all_gather_json", "all_gather_json", "gather_some_json"]
+    assert kinds[0] == [*first, "gather_json", "broadcast_json"]
+    # Unchanged structure: before writing, one all-reduce of five integers agrees that
+    # every rank reuses the same plan; then the commit's gather and its outcome.
+    assert kinds[1] == ["max_of", "gather_json", "broadcast_json"]
+    agreement, structure = per_save[1][0][1], per_save[0][2][1]
+    assert agreement < 100 < structure  # the 50 replicated tensors are not sent again
     # Rank 1 changed one tensor's shape: both ranks plan again before writing...
     assert kinds[2] == kinds[0]
     # ...and the new plan is reused from then on.
@@ -81,3 +118,38 @@ def test_an_unchanged_structure_is_not_gathered_again_and_a_change_on_one_rank_i
     for step in range(4):
         _check_values(str(tmp_path), step, 5 if step >= 2 else 2)
         assert shardpoint.verify(tmp_path / f"step{step}").ok
+
+
+def _steady_saves(rank: int, world: int, root: str) -> None:
+    log: list[tuple[str, int]] = []
+    _count_received(log)
+    for step in range(3):
+        before = len(log)
+        shardpoint.save(_state(rank, step, 2), f"{root}/step{step}")
+    if rank == 1:
+        with open(f"{root}/received.json", "w") as f:
+            json.dump(log[before:], f)
+
+
+def test_what_a_rank_receives_per_unchanged_save_does_not_grow_with_the_ranks(tmp_path):
+    """Coordination per steady-state save: each rank but rank 0 receives the same bytes
+    in the same torch.distributed calls on 2 ranks as on 4 (at 16,384 ranks an
+    all-gather of even 100 bytes per rank would send 1.6 MB to every rank, 27 GB in all,
+    every save)."""
+    seen = {}
+    for world in (2, 4):
+        root = tmp_path / f"world{world}"
+        root.mkdir()
+        run_ranks(world, _steady_saves, str(root))
+        seen[world] = json.loads((root / "received.json").read_text())
+        for step in range(3):
+            assert shardpoint.verify(root / f"step{step}").ok
+    assert seen[2] == seen[4]
+    assert [name for name, _ in seen[2]] == [
+        "all_reduce",  # the agreement
+        "gather",  # the commit: this rank's result size to rank 0...
+        "send",  # ...and its bytes
+        "broadcast",  # the outcome's size...
+        "broadcast",  # ...and its bytes
+    ]
+    assert sum(n for _, n in seen[2]) < 100

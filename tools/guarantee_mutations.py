@@ -270,11 +270,22 @@ MUTATIONS = [
         "stale plan reused",
         "few collectives, never a stale plan",
         "src/shardpoint/saving.py",
-        'own is not None and cached is not None and all(g["cached"] == cached.job for g in agreed)',
-        "own is not None and cached is not None",
+        "and own is not None and cached.own == own\n",
+        "and own is not None\n",
         (
             "tests/test_save_plan_cache.py::"
             "test_an_unchanged_structure_is_not_gathered_again_and_a_change_on_one_rank_is_caught",
+        ),
+    ),
+    Mutation(
+        "outcome broadcast as an all-gather",
+        "few collectives: a rank's traffic per save does not grow with the ranks",
+        "src/shardpoint/dist.py",
+        '    payload = json.dumps(value).encode() if rank() == src else b""\n',
+        "    return all_gather_json(value if rank() == src else None, group)[src]\n",
+        (
+            "tests/test_save_plan_cache.py::"
+            "test_what_a_rank_receives_per_unchanged_save_does_not_grow_with_the_ranks",
         ),
     ),
     Mutation(

@@ -90,30 +90,47 @@ def background_group() -> Any:
     return _BACKGROUND_GROUP
 
 
-def _padded(value: Any, group: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``value`` as JSON bytes padded to the longest payload of any rank, and every
-    rank's true length (gathered first, so all buffers have one size)."""
-    payload = json.dumps(value).encode() or b" "
+def all_gather_json(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``value`` (JSON-serialisable), in rank order. Every rank receives
+    every rank's payload (padded to the longest): for small values, or where each rank
+    needs them all; ``max_of``, ``first_error``, ``gather_json`` and ``broadcast_json``
+    keep what a rank receives from growing with the ranks."""
+    if not is_distributed():
+        return [value]
+    group = _cpu_group() if group is None else group
+    payload = json.dumps(value).encode()
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size())]
     dist.all_gather(sizes, torch.tensor([len(payload)]), group=group)
     padded = torch.zeros(int(max(s.item() for s in sizes)), dtype=torch.uint8)
     padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    return padded, sizes
-
-
-def _decoded(out: list[torch.Tensor], sizes: list[torch.Tensor]) -> list[Any]:
+    out = [torch.empty_like(padded) for _ in range(world_size())]
+    dist.all_gather(out, padded, group=group)
     return [json.loads(o[: int(n.item())].numpy().tobytes()) for o, n in zip(out, sizes)]
 
 
-def all_gather_json(value: Any, group: Any = None) -> list[Any]:
-    """Every rank's ``value`` (JSON-serialisable), in rank order."""
-    if not is_distributed():
-        return [value]
-    group = _cpu_group() if group is None else group
-    padded, sizes = _padded(value, group)
-    out = [torch.empty_like(padded) for _ in range(world_size())]
-    dist.all_gather(out, padded, group=group)
-    return _decoded(out, sizes)
+def _gather_bytes(payload: bytes, dst: int, group: Any) -> list[bytes] | None:
+    """Every rank's ``payload`` on rank ``dst``: the sizes gathered to ``dst`` alone,
+    then each non-empty payload point to point. A rank sends and receives its own bytes
+    only (nothing padded to the longest payload, nothing that grows with the ranks),
+    except ``dst``, which receives what it asked for."""
+    me = rank()
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size())] if me == dst else None
+    dist.gather(size, sizes, dst=dst, group=group)
+    if sizes is None:
+        if payload:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            dist.send(data, dst=dst, group=group)  # groups span every rank
+        return None
+    out = []
+    for r, n in enumerate(int(s.item()) for s in sizes):
+        if r == me or not n:
+            out.append(payload if r == me else b"")
+            continue
+        buffer = torch.empty(n, dtype=torch.uint8)
+        dist.recv(buffer, src=r, group=group)
+        out.append(buffer.numpy().tobytes())
+    return out
 
 
 def gather_json(value: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
@@ -121,37 +138,19 @@ def gather_json(value: Any, dst: int = 0, group: Any = None) -> list[Any] | None
     if not is_distributed():
         return [value]
     group = _cpu_group() if group is None else group
-    padded, sizes = _padded(value, group)
-    out = [torch.empty_like(padded) for _ in range(world_size())] if rank() == dst else None
-    dist.gather(padded, out, dst=dst, group=group)
-    return None if out is None else _decoded(out, sizes)
+    payloads = _gather_bytes(json.dumps(value).encode(), dst, group)
+    return None if payloads is None else [json.loads(p) for p in payloads]
 
 
 def gather_some_json(value: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
-    """Like ``gather_json``, for when most ranks have nothing to send (``value`` None):
-    only the others' bytes travel, point to point, instead of every rank's payload
-    padded to the longest one."""
+    """Like ``gather_json``, for when most ranks have nothing to send (``value`` None,
+    which sends no bytes at all)."""
     if not is_distributed():
         return [value]
     group = _cpu_group() if group is None else group
     payload = b"" if value is None else json.dumps(value).encode()
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size())]
-    dist.all_gather(sizes, torch.tensor([len(payload)]), group=group)
-    me = rank()
-    if me != dst:
-        if payload:
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            dist.send(data, dst=dst, group=group)  # groups span every rank
-        return None
-    out: list[Any] = [None] * world_size()
-    for r, n in enumerate(int(s.item()) for s in sizes):
-        if r == me:
-            out[r] = value
-        elif n:
-            buffer = torch.empty(n, dtype=torch.uint8)
-            dist.recv(buffer, src=r, group=group)
-            out[r] = json.loads(buffer.numpy().tobytes())
-    return out
+    payloads = _gather_bytes(payload, dst, group)
+    return None if payloads is None else [json.loads(p) if p else None for p in payloads]
 
 
 def scatter_json(values: list[Any] | None, src: int = 0, group: Any = None) -> Any:
@@ -181,19 +180,46 @@ def scatter_json(values: list[Any] | None, src: int = 0, group: Any = None) -> A
 
 
 def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
-    """``value`` from rank ``src`` on every rank."""
+    """``value`` from rank ``src`` on every rank (its size, then its bytes: every rank
+    receives the one payload, however many ranks there are)."""
     if not is_distributed():
         return value
-    return all_gather_json(value if rank() == src else None, group)[src]
+    group = _cpu_group() if group is None else group
+    payload = json.dumps(value).encode() if rank() == src else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    data = (
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if rank() == src
+        else torch.empty(int(size.item()), dtype=torch.uint8)
+    )
+    dist.broadcast(data, src=src, group=group)
+    return value if rank() == src else json.loads(data.numpy().tobytes())
+
+
+def first_error(error: str | None, group: Any = None) -> str | None:
+    """The first rank's error of all ranks' (None: no rank failed). One small
+    all-reduce when no rank failed; the messages travel only when one did."""
+    if not is_distributed():
+        return error
+    if not max_of([int(error is not None)], group)[0]:
+        return None
+    return next(e for e in all_gather_json(error, group) if e is not None)
+
+
+def barrier(group: Any = None) -> None:
+    """Every rank reaches this point before any leaves it (a no-op in one process)."""
+    if is_distributed():
+        dist.barrier(group=_cpu_group() if group is None else group)
 
 
 def isend_bytes(data: torch.Tensor, dst: int, tag: int, group: Any = None) -> Any:
-    """Start sending a uint8 tensor to rank ``dst`` (point to point, CPU group)."""
+    """Start sending a CPU tensor to rank ``dst`` (point to point, CPU group)."""
     return dist.isend(data, dst=dst, group=group or _cpu_group(), tag=tag)
 
 
 def irecv_bytes(buffer: torch.Tensor, src: int, tag: int, group: Any = None) -> Any:
-    """Start receiving into a uint8 tensor from rank ``src``."""
+    """Start receiving into a CPU tensor from rank ``src``."""
     return dist.irecv(buffer, src=src, group=group or _cpu_group(), tag=tag)
 
 

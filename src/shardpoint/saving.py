@@ -316,12 +316,13 @@ def plan_save(
     """Flatten ``state``, prepare the directory (the committing rank) and agree on who
     writes what.
 
-    Ranks first agree, in one small collective, that every rank's structure (tensor
-    names, shapes, dtypes, placements, node) is the one of the plan they cached at the
-    last save: then that plan is reused. Otherwise (the first save, or any change on
-    any rank) they gather the structure and plan again. The collective also orders
-    every write after the preparation of the directory. ``to_host=False`` keeps device
-    tensors where they are (staging copies them into its pool itself).
+    Ranks first agree, in one all-reduce of a few integers, that every rank's structure
+    (tensor names, shapes, dtypes, placements, node) is the one of the plan they cached
+    at the last save, and that no rank failed: then that plan is reused. Otherwise (the
+    first save, any change or failure on any rank) they gather errors and structure and
+    plan again. Either collective also orders every write after the preparation of the
+    directory. ``to_host=False`` keeps device tensors where they are (staging copies
+    them into its pool itself).
     """
     me = dist.rank()
     commits = me == 0 or (options.per_node and dist.is_node_leader())
@@ -355,36 +356,10 @@ def plan_save(
         own_error = exc
     cache_key = (id(group), options.per_node, dist.world_size())
     cached = _PLANS.get(cache_key)
-    agreed = dist.all_gather_json(
-        {
-            "own": own,
-            "cached": cached.job if cached is not None and cached.own == own else None,
-            # Ranks with the same sharded entries (every rank under FSDP) send them once.
-            "sharded": _digest(sharded) if sharded else None,
-            "error": f"rank {me}: {own_error}" if own_error else None,
-        },
-        group,
-    )
-    failed = [g["error"] for g in agreed if g["error"]]
-    if failed and commit_ is not None:
-        commit_.release()
-    if own_error is not None:
-        raise own_error
-    if failed:
-        raise CheckpointError(f"{storage.where}: another rank could not save: {failed[0]}")
-    reuse = (
-        own is not None and cached is not None and all(g["cached"] == cached.job for g in agreed)
-    )
-    if not reuse:
-        lists = [g["sharded"] for g in agreed]
-        first = lists[me] is not None and lists.index(lists[me]) == me
-        cached = _plan_job(
-            holdings,
-            aliases,
-            options.per_node,
-            [g["own"] for g in agreed],
-            sharded if first else None,
-            group,
+    reusable = own_error is None and cached is not None and own is not None and cached.own == own
+    if not (dist.is_distributed() and _every_rank_reuses(cached if reusable else None, group)):
+        cached = _agree_and_plan(
+            holdings, aliases, sharded, own, own_error, commit_, storage.where, options, group
         )
         _PLANS[cache_key] = cached
     assert cached is not None
@@ -405,6 +380,64 @@ def plan_save(
         flat.rank_values if flat is not None else {},
         flat.rank_tensors if flat is not None else set(),
         tokens,
+    )
+
+
+def _every_rank_reuses(cached: _JobPlan | None, group: Any) -> bool:
+    """Whether every rank holds the same cached plan, unchanged (``cached`` is this
+    rank's, None when it cannot reuse it: changed, failed, none yet). One all-reduce
+    of five integers, whatever the ranks: the maximum of a flag, and of each half of
+    the job's digest and its negation (equal maximum and minimum: the same plan)."""
+    if cached is None:
+        high = low = 0
+    else:
+        high, low = int(cached.job[:15], 16), int(cached.job[15:30], 16)
+    flag, hi, neg_hi, lo, neg_lo = dist.max_of(
+        [int(cached is None), high, -high, low, -low], group
+    )
+    return flag == 0 and hi == -neg_hi and lo == -neg_lo
+
+
+def _agree_and_plan(
+    holdings: list[Holding],
+    aliases: dict[str, str],
+    sharded: list[Any],
+    own: str | None,
+    own_error: Exception | None,
+    commit_: Commit | None,
+    where: str,
+    options: SaveOptions,
+    group: Any,
+) -> _JobPlan:
+    """A save without a plan every rank can reuse: gather every rank's error (raised on
+    every rank), then its structure, and plan. The all-gather also orders every write
+    after the preparation of the directory."""
+    me = dist.rank()
+    agreed = dist.all_gather_json(
+        {
+            "own": own,
+            # Ranks with the same sharded entries (every rank under FSDP) send them once.
+            "sharded": _digest(sharded) if sharded else None,
+            "error": f"rank {me}: {own_error}" if own_error else None,
+        },
+        group,
+    )
+    failed = [g["error"] for g in agreed if g["error"]]
+    if failed and commit_ is not None:
+        commit_.release()
+    if own_error is not None:
+        raise own_error
+    if failed:
+        raise CheckpointError(f"{where}: another rank could not save: {failed[0]}")
+    lists = [g["sharded"] for g in agreed]
+    first = lists[me] is not None and lists.index(lists[me]) == me
+    return _plan_job(
+        holdings,
+        aliases,
+        options.per_node,
+        [g["own"] for g in agreed],
+        sharded if first else None,
+        group,
     )
 
 
@@ -642,14 +675,14 @@ def _commit_every_node(plan: SavePlan, index: bytes, checkpoint: str) -> str | N
             plan.commit.finish(index, checkpoint)
         except Exception as exc:
             error = f"rank {plan.rank} (commit): {exc}"
-    errors = [e for e in dist.all_gather_json(error, plan.group) if e]
-    if errors and plan.commit is not None and error is None:
+    first = dist.first_error(error, plan.group)
+    if first is not None and plan.commit is not None and error is None:
         plan.commit.release()
         try:
             plan.commit.delete()
         except Exception:  # best effort; the marker goes first, so at worst a leftover
             pass
-    return errors[0] if errors else None
+    return first
 
 
 @dataclass

@@ -43,10 +43,11 @@ class SharedReads:
 
 
 def agree(error: BaseException | None, where: str, group: Any) -> None:
-    """One all-gather of every rank's error. Raises on every rank if any rank failed:
-    its own error on the failing rank, a ``CheckpointError`` naming it elsewhere."""
-    errors = dist.all_gather_json(f"rank {dist.rank()}: {error}" if error else None, group)
-    _raise_if_failed(error, errors, where)
+    """Whether any rank failed (one small all-reduce; the messages travel only then).
+    Raises on every rank if any rank failed: its own error on the failing rank, a
+    ``CheckpointError`` naming it elsewhere."""
+    first = dist.first_error(f"rank {dist.rank()}: {error}" if error else None, group)
+    _raise_if_failed(error, [first], where)
 
 
 def _raise_if_failed(error: BaseException | None, errors: list[str | None], where: str) -> None:

@@ -16,6 +16,7 @@ buddies, or every node (then the disk and remote tiers are used).
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import shutil
@@ -177,22 +178,37 @@ class MemoryTier:
 
     def _send_to_buddies(self, step: int, error: str | None) -> None:
         own = self.own_dir(step)
-        manifests = dist.all_gather_json(
-            {"error": error, "files": _files(own) if error is None else {}}, self.group
-        )
-        failed = [m["error"] for m in manifests if m["error"]]
-        if failed:
+        failed = dist.first_error(error, self.group)
+        if failed is not None:
             shutil.rmtree(own, ignore_errors=True)
-            raise CheckpointError(f"memory tier save of step {step} failed: {failed[0]}")
+            raise CheckpointError(f"memory tier save of step {step} failed: {failed}")
+        files = _files(own)
         for k in range(1, self.replicas + 1):
             to = (self.rank + k * self.per_node) % self.world
             frm = (self.rank - k * self.per_node) % self.world
-            self._exchange(
-                send=(to, own),
-                recv=(frm, manifests[frm]["files"], self.replica_dir(frm, step)),
-            )
-        dist.all_gather_json(None, self.group)  # every copy durable before anyone prunes
+            # Each rank learns the file list of the buddy it receives from alone: what
+            # a rank receives per save does not grow with the ranks.
+            theirs = self._swap_manifests(to, frm, files)
+            self._exchange(send=(to, own), recv=(frm, theirs, self.replica_dir(frm, step)))
+        dist.barrier(self.group)  # every copy durable before anyone prunes
         self._prune(step)
+
+    def _swap_manifests(self, to: int, frm: int, files: dict[str, int]) -> dict[str, int]:
+        """Send this rank's file list (name -> size) to ``to``; receive ``frm``'s."""
+        payload = json.dumps(files).encode()
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        sends = [
+            dist.isend_bytes(size, to, tag=0, group=self.group),
+            dist.isend_bytes(data, to, tag=1, group=self.group),
+        ]
+        their_size = torch.zeros(1, dtype=torch.int64)
+        dist.irecv_bytes(their_size, frm, tag=0, group=self.group).wait()
+        buffer = torch.empty(int(their_size.item()), dtype=torch.uint8)
+        dist.irecv_bytes(buffer, frm, tag=1, group=self.group).wait()
+        for request in sends:
+            request.wait()
+        return {str(k): int(v) for k, v in json.loads(buffer.numpy().tobytes()).items()}
 
     def _check_budget(self, state: Any) -> None:
         if self.max_bytes is None:
@@ -284,9 +300,9 @@ class MemoryTier:
                 load(state, self.own_dir(step))
         except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
             error = f"rank {self.rank}: {exc}"
-        errors = [e for e in dist.all_gather_json(error) if e]
-        if errors:
-            raise CorruptCheckpointError(f"memory tier step {step} is not usable: {errors[0]}")
+        failed = dist.first_error(error)
+        if failed is not None:
+            raise CorruptCheckpointError(f"memory tier step {step} is not usable: {failed}")
 
     def _holdings(self) -> dict[str, Any]:
         own = self._committed_steps(self.base / "own" / f"rank{self.rank:05d}")
