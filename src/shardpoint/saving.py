@@ -392,9 +392,7 @@ def _every_rank_reuses(cached: _JobPlan | None, group: Any) -> bool:
         high = low = 0
     else:
         high, low = int(cached.job[:15], 16), int(cached.job[15:30], 16)
-    flag, hi, neg_hi, lo, neg_lo = dist.max_of(
-        [int(cached is None), high, -high, low, -low], group
-    )
+    flag, hi, neg_hi, lo, neg_lo = dist.max_of([int(cached is None), high, -high, low, -low], group)
     return flag == 0 and hi == -neg_hi and lo == -neg_lo
 
 
