@@ -235,7 +235,8 @@ class ReadPlan:
                 for chunk in self.ckpt.chunks(entry, region.offsets, hi):
                     read = self._plan_chunk(entry, chunk, region, verify)
                     if read is not None:
-                        self.ckpt.header(chunk.file)
+                        if chunk.file not in batches[-1]:  # checked once per file
+                            self.ckpt.header(chunk.file)
                         segment, p = read
                         if batch_bytes >= UNDO_BATCH_BYTES:
                             batches.append({})

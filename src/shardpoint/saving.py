@@ -239,7 +239,8 @@ class SavePlan:
             self.commit.release()
 
 
-@dataclass(frozen=True)
+# Built per tensor: a frozen dataclass costs five times as much to build.
+@dataclass(slots=True, unsafe_hash=True)
 class ChunkRecord:
     """One written piece as the index needs it: the tensor's facts and its chunk."""
 
@@ -506,9 +507,10 @@ def _plan_job(
 ) -> _JobPlan:
     """Gather every rank's structure and plan who writes which replicated chunk; rank 0
     also gathers each distinct list of sharded entries once, for the index."""
+    me = dist.rank()
     gathered = dist.all_gather_json(
         {
-            "sole_bytes": sum(h.nbytes for h in holdings if _writes(h, dist.rank())),
+            "sole_bytes": sum(h.nbytes for h in holdings if _writes(h, me)),
             "replicated": [h.to_json() for h in holdings if h.replicated],
             "aliases": aliases,
             "node": dist.node_rank(),
@@ -533,7 +535,7 @@ def _plan_job(
     structures = [{"aliases": g["aliases"], "node": g["node"]} for g in gathered]
     lists = dist.gather_some_json(sharded, 0, group)
     table, conflict = _sharded_table(lists) if lists is not None else (None, None)
-    return _JobPlan(digests[dist.rank()], _digest(digests), structures, pieces, table, conflict)
+    return _JobPlan(digests[me], _digest(digests), structures, pieces, table, conflict)
 
 
 def _sharded_table(
@@ -576,16 +578,20 @@ def _commit(
     if result.error is None:
         result = _write_fragment(plan, result)
     # The non-tensor trees travel here, not with the plan: they change every save.
-    gathered = dist.gather_json({"result": result.to_json(), "tree": plan.tree}, 0, plan.group)
+    results: list[WriteResult] | None = [result]
+    trees: list[Any] = [plan.tree]
+    if dist.is_distributed():
+        gathered = dist.gather_json({"result": result.to_json(), "tree": plan.tree}, 0, plan.group)
+        results = [WriteResult.from_json(g["result"]) for g in gathered or []] or None
+        trees = [g["tree"] for g in gathered or []]
     outcome: str | None = None
     per_node: dict[str, str] | None = None  # node -> its index (node-local directories)
-    if gathered is not None:  # rank 0
-        results = [WriteResult.from_json(g["result"]) for g in gathered]
+    if results is not None:  # rank 0
         errors = [r.error for r in results if r.error]
         outcome = errors[0] if errors else None
         if not errors:
             try:
-                tree = merge_trees([g["tree"] for g in gathered])
+                tree = merge_trees(trees)
                 if plan.per_node:
                     nodes = [s["node"] for s in plan.structures]
                     per_node = {
@@ -778,7 +784,8 @@ def write_from_memory(plan: SavePlan, shards: list[ShardFile], threads: int) -> 
     return WriteResult({f.name: f.size for f in shards}, records)
 
 
-@dataclass(frozen=True)
+# Built per tensor: a frozen dataclass costs five times as much to build.
+@dataclass(slots=True, unsafe_hash=True)
 class _Placed:
     """A piece placed in a shard file, and what its index record needs."""
 

@@ -19,7 +19,9 @@ def host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous, detached tensor as a flat uint8 tensor sharing its memory."""
-    # reshape(-1) first: a 0-d tensor cannot be viewed as another dtype directly.
     if tensor.numel() == 0:
         return torch.empty(0, dtype=torch.uint8)
+    if tensor.dim() == 1:  # the usual case; one view op instead of two
+        return tensor.view(torch.uint8)
+    # reshape(-1) first: a 0-d tensor cannot be viewed as another dtype directly.
     return tensor.reshape(-1).view(torch.uint8)

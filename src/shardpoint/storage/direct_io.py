@@ -130,6 +130,9 @@ class _Completion:
     def add(self, s: Segment, n: int) -> None:
         if self.callback is None:
             return
+        if n == s.end - s.offset:  # all of it at once (small segments): nothing to count
+            self.callback(s)
+            return
         with self.lock:
             self.left[id(s)] -= n
             complete = self.left[id(s)] == 0
