@@ -15,6 +15,9 @@ rank's load planning (parse the index, find the chunks of its own region, read i
 fragment). Version 1's figures at this scale are extrapolated from a 64-rank sample
 of the same layout (a 16,384-rank v1 index would take tens of GB), and say so.
 
+Also how long parsing takes where version 1 indexes stay: one of 4,096 ranks x 500
+parameters (every row chunk listed), and one tensor stored as 100,000 chunks.
+
 Also the planning of shared reads (``load(..., share_reads=True)``) at 4,096 ranks:
 what each rank receives, before (every rank's region list) and now (digests, and its
 own part of rank 0's plan).
@@ -179,6 +182,34 @@ def v1_case(name: str, ranks: int, params: int, sample: int) -> dict[str, float]
     }
 
 
+def v1_index(ranks: int, params: int) -> bytes:
+    """A version 1 index of ``params`` row-sharded parameters, one chunk per rank each."""
+    sharding, shape = layout("fsdp", ranks, params)
+    entries = {}
+    for i in range(params):
+        n = f"layers.{i // 10}.p{i % 10}.weight"
+        chunks = tuple(
+            chunk_for(n, i, r, *sharding.box(shape, sharding.mesh.coord_at(r)))
+            for r in range(ranks)
+        )
+        entries[n] = TensorEntry(n, "BF16", shape, chunks)
+    tree = {"dict": [[n, {"tensor": n}] for n in entries]}
+    files = {shard_file(r, 0): 400_000_000 for r in range(ranks)}
+    index = Index(files, entries, {}, tree, "2026-01-01T00:00:00+00:00", "0", ranks)
+    index.format_version = 1
+    return index.to_json()
+
+
+def parse_case(raw: bytes) -> dict[str, float]:
+    """Seconds to parse ``raw``: json.loads alone, and the whole strict parse."""
+    start = time.perf_counter()
+    json.loads(raw)
+    loads = time.perf_counter() - start
+    start = time.perf_counter()
+    parse_index(raw, "index.json")
+    return {"bytes": len(raw), "json_loads_s": loads, "parse_s": time.perf_counter() - start}
+
+
 def shared_reads_case(ranks: int, regions: int, replicas: int) -> dict[str, float]:
     """``load(..., share_reads=True)`` planning: what each rank receives, and rank 0's
     planning time. ``replicas`` ranks need each shard (DDP: every rank; HSDP: a replica
@@ -232,6 +263,18 @@ def main() -> None:
         for label, old, new in rows:
             left = f"{old:18.2f}" if old is not None else " " * 18
             print(f"{label:36} {left} {new:14.2f}")
+    for label, ranks_, params_ in (
+        ("v1 index, 4,096 ranks x 500 parameters", 4096, 500),
+        ("one tensor of 100,000 chunks, one per rank file", 100_000, 1),
+    ):
+        if args.quick:
+            ranks_ //= 16
+        r = parse_case(v1_index(ranks_, params_))
+        results[f"parse {label}"] = r
+        print(
+            f"\nparse {label}: {r['bytes'] / 1e6:.1f} MB in {r['parse_s']:.2f} s "
+            f"(json.loads alone {r['json_loads_s']:.2f} s)"
+        )
     shared_ranks = 1024 if args.quick else 4096
     for label, replicas in (("DDP", shared_ranks), ("HSDP, 2 replicas", 2)):
         r = shared_reads_case(shared_ranks, 500, replicas)

@@ -23,6 +23,7 @@ from ..errors import CorruptCheckpointError
 from ..sharding import Mesh, Sharding
 from .safetensors import (
     DTYPES,
+    INT64_MAX,
     TOO_LARGE,
     int64s,
     int_in,
@@ -482,37 +483,55 @@ def _parse_chunk(
     files: dict[str, int],
     where: str,
 ) -> Chunk:
+    # This runs for every chunk of every tensor (100,000 chunks may make one tensor):
+    # each check is written out, with no helper call on the path of a valid chunk.
     file = spec["file"]
     if type(file) is not str or file not in files:  # names in `files` were checked already
         raise _corrupt(where, f"entry {name!r} names file {file!r:.200} not listed in files")
-    offsets = _ints(spec["offsets"], "chunk offsets", name, where, length=len(shape))
-    cshape = _ints(spec["shape"], "chunk shape", name, where, length=len(shape))
-    begin, end = _ints(spec["byte_range"], "chunk byte_range", name, where, length=2)
-    if offsets != (0,) * len(shape) or cshape != shape:  # a whole tensor needs no more checks
-        if any(o + s > d for o, s, d in zip(offsets, cshape, shape)):
-            raise _corrupt(where, f"a chunk of {name!r} lies outside its shape {list(shape)}")
-    if end - begin != math.prod(cshape) * itemsize(dtype) or end > files[file]:
+    n = len(shape)
+    offsets = int64s(spec["offsets"], n)
+    cshape = int64s(spec["shape"], n)
+    byte_range = int64s(spec["byte_range"], 2)
+    if offsets is None or cshape is None or byte_range is None:
+        _ints(spec["offsets"], "chunk offsets", name, where, length=n)  # raises, naming
+        _ints(spec["shape"], "chunk shape", name, where, length=n)
+        _ints(spec["byte_range"], "chunk byte_range", name, where, length=2)
+    assert offsets is not None and cshape is not None and byte_range is not None
+    begin, end = byte_range
+    if cshape != shape:  # a whole tensor (offsets in range only if all 0) needs no more
+        for o, c, d in zip(offsets, cshape, shape):
+            if o + c > d:
+                raise _corrupt(where, f"a chunk of {name!r} lies outside its shape {list(shape)}")
+    elif any(offsets):
+        raise _corrupt(where, f"a chunk of {name!r} lies outside its shape {list(shape)}")
+    if end - begin != math.prod(cshape) * DTYPES[dtype].itemsize or end > files[file]:
         raise _corrupt(
             where,
             f"chunk of {name!r} has byte_range [{begin}, {end}] inconsistent with its "
             f"shape or with the size of {file}",
         )
-    block_rows = _int(spec["block_rows"], f"block_rows of a chunk of {name!r}", where, low=1)
+    block_rows = spec["block_rows"]
+    if type(block_rows) is not int or not 1 <= block_rows <= INT64_MAX:
+        _int(block_rows, f"block_rows of a chunk of {name!r}", where, low=1)  # raises
     digests = spec["checksums"]
     rows = cshape[0] if cshape else 1
-    if (
-        type(digests) is not list
-        or len(digests) != max(1, -(-rows // block_rows))
-        or not all(type(d) is str and len(d) == 16 for d in digests)
-        or not _HEX.fullmatch("".join(digests))  # one match for all of them
-    ):
+    try:  # join refuses anything but strings; one match checks all the digits
+        valid = (
+            type(digests) is list
+            and len(digests) == max(1, -(-rows // block_rows))
+            and _HEX.fullmatch("".join(digests)) is not None
+            and set(map(len, digests)) == {16}
+        )
+    except TypeError:
+        valid = False
+    if not valid:
         raise _corrupt(
             where,
             f"chunk of {name!r} has malformed checksums {digests!r:.80} (need one per "
             f"{block_rows} rows, each 16 lowercase hex digits)",
         )
     key = spec["key"]
-    if not isinstance(key, str):
+    if type(key) is not str:
         raise _corrupt(where, f"chunk of {name!r} has a non-string key")
     return Chunk(file, key, offsets, cshape, begin, end, tuple(digests), block_rows)
 
