@@ -20,6 +20,7 @@ import xxhash
 
 from .. import tree as tree_codec
 from ..errors import CorruptCheckpointError
+from ..gc_pause import gc_paused
 from ..sharding import Mesh, Sharding
 from .safetensors import (
     DTYPES,
@@ -274,6 +275,7 @@ def _int(value: object, what: str, where: str, low: int = 0) -> int:
     return value  # type: ignore[return-value]
 
 
+@gc_paused()  # millions of objects for a large index, none of them in a cycle
 def parse_index(raw: bytes, where: str) -> Index:
     """Strictly parse and cross-check an index; raises CorruptCheckpointError naming ``where``."""
     try:
@@ -429,6 +431,7 @@ def _parse_sharding(
     return sharding
 
 
+@gc_paused()
 def parse_fragment(raw: bytes, where: str, rank: int, index: Index) -> Fragment:
     """Strictly parse rank ``rank``'s fragment: every chunk must be the one the sharding
     of its entry gives that rank, every tensor entry a whole tensor of a new name, and
