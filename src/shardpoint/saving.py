@@ -463,6 +463,7 @@ class _JobPlan:
     # sharding), or why the ranks' descriptions disagree.
     sharded: dict[str, tuple[str, tuple[int, ...], Sharding]] | None = None
     conflict: str | None = None
+    lists: list[Any] | None = None  # on rank 0: the distinct lists the table is made of
 
 
 # Plans of earlier saves, by (process group, per-node mode, world size). Every rank
@@ -535,7 +536,7 @@ def _plan_job(
     structures = [{"aliases": g["aliases"], "node": g["node"]} for g in gathered]
     lists = dist.gather_some_json(sharded, 0, group)
     table, conflict = _sharded_table(lists) if lists is not None else (None, None)
-    return _JobPlan(digests[me], _digest(digests), structures, pieces, table, conflict)
+    return _JobPlan(digests[me], _digest(digests), structures, pieces, table, conflict, lists)
 
 
 def _sharded_table(
@@ -578,41 +579,54 @@ def _commit(
     if result.error is None:
         result = _write_fragment(plan, result)
     # The non-tensor trees travel here, not with the plan: they change every save.
-    results: list[WriteResult] | None = [result]
+    docs: list[Any] | None = None
     trees: list[Any] = [plan.tree]
+    results: list[WriteResult] | None = [result]
     if dist.is_distributed():
         gathered = dist.gather_json({"result": result.to_json(), "tree": plan.tree}, 0, plan.group)
-        results = [WriteResult.from_json(g["result"]) for g in gathered or []] or None
+        docs = [g["result"] for g in gathered] if gathered is not None else None
+        results = [WriteResult.from_json(d) for d in docs] if docs is not None else None
         trees = [g["tree"] for g in gathered or []]
     outcome: str | None = None
-    per_node: dict[str, str] | None = None  # node -> its index (node-local directories)
+    inputs: dict[str, Any] | None = None  # per node: what each node's first rank needs
+    own_index: bytes | None = None
     if results is not None:  # rank 0
         errors = [r.error for r in results if r.error]
         outcome = errors[0] if errors else None
         if not errors:
             try:
+                assert plan.job is not None
                 tree = merge_trees(trees)
+                created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+                table = (plan.job.sharded or {}, plan.job.conflict)
                 if plan.per_node:
+                    # Each node's first rank builds its node's index from the same inputs
+                    # (in parallel): rank 0 builds the first node's alone, whose checksum
+                    # names the checkpoint, instead of one per node.
                     nodes = [s["node"] for s in plan.structures]
-                    per_node = {
-                        str(n): _index(plan, tree, results, metadata, n, nodes).to_json().decode()
-                        for n in sorted(set(nodes))
+                    first = _index(plan, tree, results, metadata, table, created, nodes[0], nodes)
+                    own_index = first.to_json()  # rank 0's node is the first node
+                    inputs = {
+                        "results": docs or [r.to_json() for r in results],
+                        "tree": tree,
+                        "sharded": [doc for doc in plan.job.lists or [] if doc],
+                        "created": created,
+                        "metadata": metadata,
+                        "first": checksum(own_index),
                     }
                 else:
                     assert plan.commit is not None
-                    plan.commit.finish(_index(plan, tree, results, metadata).to_json())
+                    index = _index(plan, tree, results, metadata, table, created)
+                    plan.commit.finish(index.to_json())
             except Exception as exc:  # OSError locally; the object store's errors too
                 outcome = f"rank 0 (commit): {exc}"
         written = sum(sum(r.files.values()) for r in results)
         files = sum(len(r.files) for r in results)
     else:
         written, files = sum(result.files.values()), len(result.files)
-    outcome, per_node = dist.broadcast_json([outcome, per_node], 0, plan.group)
+    outcome, inputs = dist.broadcast_json([outcome, inputs], 0, plan.group)
     if plan.per_node and outcome is None:
-        # Every node's copy names the checkpoint by the first node's index (the one the
-        # remote copy gets), so copies of one checkpoint are known as such.
-        first = checksum(per_node[str(plan.structures[0]["node"])].encode())
-        outcome = _commit_every_node(plan, per_node[str(dist.node_rank())].encode(), first)
+        outcome = _commit_every_node(plan, inputs, own_index)
     if outcome:
         # Only the committing rank removes the directory: another rank's files may still
         # be in flight when a fast-failing rank gets here.
@@ -669,14 +683,21 @@ def _write_fragment(plan: SavePlan, result: WriteResult) -> WriteResult:
     )
 
 
-def _commit_every_node(plan: SavePlan, index: bytes, checkpoint: str) -> str | None:
-    """Node-local directories: each node's first rank commits its node's copy. If any
-    node fails, the others withdraw theirs (marker first): a copy that looks committed
-    on one node must mean every node's part is durable."""
+def _commit_every_node(
+    plan: SavePlan, inputs: dict[str, Any], own_index: bytes | None
+) -> str | None:
+    """Node-local directories: each node's first rank builds its node's index from
+    rank 0's ``inputs`` and commits its node's copy. Every copy names the checkpoint by
+    the first node's index (the one the remote copy gets), so copies of one
+    checkpoint are known as such. If any node fails, the others withdraw theirs
+    (marker first): a copy that looks committed on one node must mean every node's
+    part is durable. ``own_index``: rank 0 built its node's already."""
     error = None
     if plan.commit is not None:
         try:
-            plan.commit.finish(index, checkpoint)
+            if own_index is None:
+                own_index = _node_index(plan, inputs)
+            plan.commit.finish(own_index, inputs["first"])
         except Exception as exc:
             error = f"rank {plan.rank} (commit): {exc}"
     first = dist.first_error(error, plan.group)
@@ -687,6 +708,16 @@ def _commit_every_node(plan: SavePlan, index: bytes, checkpoint: str) -> str | N
         except Exception:  # best effort; the marker goes first, so at worst a leftover
             pass
     return first
+
+
+def _node_index(plan: SavePlan, inputs: dict[str, Any]) -> bytes:
+    """This node's index, from the inputs rank 0 sent (the same as rank 0's own)."""
+    results = [WriteResult.from_json(d) for d in inputs["results"]]
+    table = _sharded_table(inputs["sharded"]) if inputs["sharded"] else ({}, None)
+    nodes = [s["node"] for s in plan.structures]
+    created, node = inputs["created"], dist.node_rank()
+    index = _index(plan, inputs["tree"], results, inputs["metadata"], table, created, node, nodes)
+    return index.to_json()
 
 
 @dataclass
@@ -826,6 +857,8 @@ def _index(
     tree: Any,
     results: list[WriteResult],
     metadata: dict[str, Any] | None,
+    table: tuple[dict[str, tuple[str, tuple[int, ...], Sharding]], str | None],
+    created: str,
     node: int | None = None,
     nodes: list[int] | None = None,
 ) -> Index:
@@ -864,11 +897,11 @@ def _index(
         )
         for name, chunks in chunks_of.items()
     }
-    assert plan.job is not None and plan.job.sharded is not None  # rank 0
-    if plan.job.conflict is not None:
-        raise UnsupportedValueError(plan.job.conflict)
+    sharded, conflict = table
+    if conflict is not None:
+        raise UnsupportedValueError(conflict)
     shardings = {}
-    for name, (dtype, shape, sharding) in plan.job.sharded.items():
+    for name, (dtype, shape, sharding) in sharded.items():
         if name in entries:
             raise UnsupportedValueError(f"{name!r} is sharded on some ranks and not on others")
         entries[name] = TensorEntry(name, dtype, shape, ())
@@ -879,7 +912,7 @@ def _index(
         entries=entries,
         aliases=aliases,
         tree=tree,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created=created,
         library_version=__version__,
         world_size=len(results),
         metadata=dict(metadata or {}),
