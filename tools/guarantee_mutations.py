@@ -278,6 +278,17 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "errors agreed by all-reduce ignored",
+        "a failure on one rank fails every rank (loads that share reads)",
+        "src/shardpoint/dist.py",
+        "    if not max_of([int(error is not None)], group)[0]:\n",
+        "    if True:\n",
+        (
+            "tests/test_shared_reads.py::"
+            "test_a_checksum_error_on_the_rank_that_reads_fails_every_rank_and_changes_nothing",
+        ),
+    ),
+    Mutation(
         "outcome broadcast as an all-gather",
         "few collectives: a rank's traffic per save does not grow with the ranks",
         "src/shardpoint/dist.py",

@@ -135,11 +135,13 @@ def layout(shapes: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, TensorSl
 
 
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
+    out = dict(pairs)  # built in C; it is smaller only if a key repeats
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate key {key!r}")
+            seen.add(key)
     return out
 
 
