@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import run_ranks, run_ranks_outcomes
 
 import shardpoint
 from shardpoint.storage.local import LocalDirectory
@@ -107,7 +107,9 @@ def test_a_checksum_error_on_the_rank_that_reads_fails_every_rank_and_changes_no
     data = bytearray((damaged / chunk["file"]).read_bytes())
     data[chunk["byte_range"][0] + 5] ^= 0xFF
     (damaged / chunk["file"]).write_bytes(bytes(data))
-    run_ranks(4, _load_corrupt, str(damaged))
+    # With a timeout: a rank that missed the failure would wait for the others forever.
+    outcomes = run_ranks_outcomes(4, _load_corrupt, str(damaged), errors=tmp_path / "errors")
+    assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
 
 
 def test_rank_0_plans_from_each_distinct_list_once_and_every_shared_region_has_one_reader():

@@ -55,11 +55,9 @@ MUTATIONS = [
         "no marker on 2 ranks",
         "visible ⇒ complete (2 ranks)",
         "src/shardpoint/saving.py",
-        "                    plan.commit.finish(_index(plan, tree, results, metadata).to_json())\n",
+        "                    plan.commit.finish(index.to_json())\n",
         "                    if len(results) == 1:\n"
-        "                        plan.commit.finish(\n"
-        "                            _index(plan, tree, results, metadata).to_json()\n"
-        "                        )\n",
+        "                        plan.commit.finish(index.to_json())\n",
         (
             "tests/test_crash_consistency.py::"
             "test_sigkill_of_one_rank_during_a_two_rank_save_never_exposes_a_partial_checkpoint",

@@ -611,7 +611,7 @@ def _commit(
                         "tree": tree,
                         "sharded": [doc for doc in plan.job.lists or [] if doc],
                         "created": created,
-                        "metadata": metadata,
+                        "metadata": first.metadata,  # a plain dict, as the index holds it
                         "first": checksum(own_index),
                     }
                 else:
