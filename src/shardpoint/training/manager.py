@@ -394,8 +394,10 @@ class CheckpointManager:
             mismatch, error = exc, f"mismatch: {exc}"
         except CheckpointError as exc:  # corrupt, incomplete, unreadable
             error = f"rank {dist.rank()}: {exc}"
-        # Ranks agree: a checkpoint is used only if it loaded on every rank.
-        errors = [e for e in dist.all_gather_json(error) if e]
+        # Ranks agree: a checkpoint is used only if it loaded on every rank. The
+        # messages travel only if some rank failed.
+        failed = dist.max_of([int(error is not None)])[0]
+        errors = [e for e in dist.all_gather_json(error) if e] if failed else []
         if mismatch is not None:
             raise mismatch
         if any(e.startswith("mismatch: ") for e in errors):
@@ -408,17 +410,18 @@ class CheckpointManager:
             )
             self._log("fallback", step=step, path=path, error=errors[0])
             return False
-        from_remote = dist.all_gather_json(
+        from_remote = dist.gather_json(  # for rank 0's event log
             view.bytes_read_from(remote_copy) if view is not None and remote_copy else 0
         )
-        self._log(
-            "restore",
-            step=step,
-            path=path,
-            bytes_from_remote=sum(from_remote),
-            bytes_from_remote_by_rank=from_remote,
-            seconds=round(time.perf_counter() - start, 4),
-        )
+        if from_remote is not None:
+            self._log(
+                "restore",
+                step=step,
+                path=path,
+                bytes_from_remote=sum(from_remote),
+                bytes_from_remote_by_rank=from_remote,
+                seconds=round(time.perf_counter() - start, 4),
+            )
         return True
 
     def _log(self, event: str, **fields: Any) -> None:
