@@ -280,9 +280,10 @@ def shared_reads_case(ranks: int, regions: int, replicas: int) -> dict[str, floa
     }
     digests = [f"g{r % groups}" for r in range(ranks)]
     list_bytes = len(json.dumps(lists["g0"]))
-    start = time.perf_counter()
-    parts = assign_readers(lists, digests)
-    plan_s = time.perf_counter() - start
+    with gc_paused():  # as inside load()
+        start = time.perf_counter()
+        parts = assign_readers(lists, digests)
+        plan_s = time.perf_counter() - start
     facts = ranks * len(json.dumps({"error": None, "digest": "0123456789abcdef"}))
     return {
         "before_bytes_per_rank": ranks * list_bytes,

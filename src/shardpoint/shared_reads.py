@@ -131,7 +131,7 @@ def assign_readers(
     shared = sorted(key for key, ranks in holders.items() if len(ranks) > 1)
     for tag, key in enumerate(shared):
         ranks = sorted(holders[key])
-        reader = min(ranks, key=lambda r: (load[r], r))
+        reader = min(ranks, key=load.__getitem__)  # the first of equals: the lowest rank
         load[reader] += sizes[key]
         parts[reader].append([tag, key, [r for r in ranks if r != reader]])
         for r in ranks:
