@@ -255,3 +255,53 @@ def test_a_node_that_lost_its_disk_reads_from_the_remote_and_only_it_does(tmp_pa
     # disk or the remote), not once per rank (which was >= 2 x SHARED_BYTES here).
     assert 0 < sum(by_rank[2:]) < 2 * SHARED_BYTES, by_rank
     assert event["bytes_from_remote"] == sum(by_rank)
+
+
+def _save_with_node_1_failing_its_commit(rank: int, world: int, root: str) -> None:
+    import pytest
+
+    from shardpoint.commit import Commit
+    from shardpoint.errors import CheckpointError
+    from shardpoint.saving import SaveOptions, run_save
+    from shardpoint.storage import open_storage
+    from shardpoint.storage.local import LocalDirectory
+
+    node = _as_node(rank)
+    if node == 1:  # its first rank cannot write its node's index
+
+        def failing(self, index, checkpoint=None):
+            raise OSError(28, "No space left on device (injected)")
+
+        Commit.finish = failing
+    # Node 0's ranks log every file they delete, in one append-only log, in order.
+    log = os.open(Path(root, "deleted.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    real_delete = LocalDirectory.delete
+
+    def logged(self, name):
+        if node == 0:
+            os.write(log, f"{name}\n".encode())
+        return real_delete(self, name)
+
+    LocalDirectory.delete = logged
+    storage = open_storage(str(_node_dir(root, node) / STEP_DIR))
+    with pytest.raises(CheckpointError, match="injected"):
+        run_save(_state(rank), storage, SaveOptions(per_node=True))
+
+
+def test_a_node_that_cannot_commit_makes_every_node_withdraw_its_copy(tmp_path):
+    """Node 0 commits its copy; node 1's commit fails: node 0 takes its copy back,
+    marker first, before any of its ranks removes a shard file (a crash in between must
+    not leave a copy that looks whole), and every rank raises, none waits."""
+    from distributed import run_ranks_outcomes
+
+    outcomes = run_ranks_outcomes(
+        WORLD, _save_with_node_1_failing_its_commit, str(tmp_path), errors=tmp_path / "errors"
+    )
+    assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
+    for node in (0, 1):
+        step = _node_dir(str(tmp_path), node) / STEP_DIR
+        assert not (step / MARKER_NAME).exists(), f"node {node} kept a committed copy"
+    deleted = (tmp_path / "deleted.log").read_text().split()
+    shards = [i for i, name in enumerate(deleted) if name.endswith(".safetensors")]
+    assert MARKER_NAME in deleted and shards, deleted
+    assert deleted.index(MARKER_NAME) < min(shards), deleted

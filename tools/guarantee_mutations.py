@@ -287,6 +287,17 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "a node's copy not withdrawn",
+        "visible ⇒ complete (node-local copies)",
+        "src/shardpoint/saving.py",
+        "        if plan.commit is not None and error is None:\n",
+        "        if False:\n",
+        (
+            "tests/test_node_local_copies.py::"
+            "test_a_node_that_cannot_commit_makes_every_node_withdraw_its_copy",
+        ),
+    ),
+    Mutation(
         "outcome broadcast as an all-gather",
         "few collectives: a rank's traffic per save does not grow with the ranks",
         "src/shardpoint/dist.py",

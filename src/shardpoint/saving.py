@@ -701,12 +701,16 @@ def _commit_every_node(
         except Exception as exc:
             error = f"rank {plan.rank} (commit): {exc}"
     first = dist.first_error(error, plan.group)
-    if first is not None and plan.commit is not None and error is None:
-        plan.commit.release()
-        try:
-            plan.commit.delete()
-        except Exception:  # best effort; the marker goes first, so at worst a leftover
-            pass
+    if first is not None:
+        if plan.commit is not None and error is None:
+            plan.commit.release()
+            try:
+                plan.commit.delete()
+            except Exception:  # best effort; the marker goes first, so at worst a leftover
+                pass
+        # Every copy's marker is gone before any rank removes its files (the caller's
+        # clean-up): a crash in between must not leave a copy that looks whole.
+        dist.barrier(plan.group)
     return first
 
 
