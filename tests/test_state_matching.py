@@ -33,6 +33,18 @@ def test_shape_or_dtype_mismatch_is_an_error_even_when_not_strict(ckpt_dir, bad)
         shardpoint.load({"a": bad}, ckpt_dir, strict=False)
 
 
+def test_a_state_that_mismatches_every_tensor_gets_a_message_that_names_a_few(ckpt_dir):
+    """10,000 wrong shapes: the message names the first ten and counts the rest (it
+    listed all of them, 600 kB of text, before)."""
+    shardpoint.save({f"p{i:05d}": torch.zeros(1) for i in range(10_000)}, ckpt_dir)
+    with pytest.raises(StateMismatchError) as info:
+        shardpoint.load({f"p{i:05d}": torch.zeros(2) for i in range(10_000)}, ckpt_dir)
+    msg = str(info.value)
+    assert "'p00000': checkpoint has F32[1], state has torch.float32[2]" in msg
+    assert "'p00009'" in msg and "'p00010'" not in msg and "(+9990 more like it)" in msg
+    assert len(msg) < 2000
+
+
 def test_a_module_with_other_parameters_is_rejected_with_a_typed_error(ckpt_dir):
     shardpoint.save({"model": torch.nn.Linear(4, 4)}, ckpt_dir)
     with pytest.raises(StateMismatchError, match="model"):

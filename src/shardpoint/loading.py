@@ -128,15 +128,21 @@ def _prepare(
         problems.append(f"missing from the checkpoint: {_some(m.missing)}")
     if strict and m.unexpected:
         problems.append(f"in the checkpoint but not in the state: {_some(m.unexpected)}")
+    differ = []
     for name, dest in m.destinations.items():
         entry = ckpt.index.resolve(name)
         shape = local_part(plain(dest), name)[1]  # global; a rank's own in dist.solo()
         if tuple(shape) != entry.shape or dest.dtype != DTYPES[entry.dtype]:
-            problems.append(
+            differ.append(
                 f"{name!r}: checkpoint has {entry.dtype}{list(entry.shape)}, state has "
                 f"{dest.dtype}{list(shape)}"
             )
-    problems.extend(m.mismatched)
+    # A wrong model can mismatch every one of 100,000 tensors: name the first few.
+    for found in (differ, m.mismatched):
+        more = f" (+{len(found) - _LISTED} more like it)" if len(found) > _LISTED else ""
+        problems.extend(found[:_LISTED])
+        if more:
+            problems[-1] += more
     if problems:
         raise StateMismatchError(
             f"{ckpt.where}: checkpoint does not fit the state: "
@@ -151,7 +157,10 @@ def _prepare(
     return ckpt, m, reads, loaded
 
 
-def _some(keys: list[str], limit: int = 10) -> str:
+_LISTED = 10  # problems of one kind an error message names
+
+
+def _some(keys: list[str], limit: int = _LISTED) -> str:
     more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
     return ", ".join(repr(k) for k in keys[:limit]) + more
 
