@@ -204,7 +204,8 @@ def first_error(error: str | None, group: Any = None) -> str | None:
         return error
     if not max_of([int(error is not None)], group)[0]:
         return None
-    return next(e for e in all_gather_json(error, group) if e is not None)
+    # Never empty: callers test the answer for truth.
+    return next(e for e in all_gather_json(error, group) if e is not None) or "(no message)"
 
 
 def barrier(group: Any = None) -> None:
