@@ -208,20 +208,27 @@ class _PlanStandIn:
         self.structures = structures
 
 
-def v1_case(name: str, ranks: int, params: int, sample: int) -> dict[str, float]:
-    """Version 1 at ``ranks`` from a ``sample``-rank index of the same layout."""
-    sharding, shape = layout(name, sample, params)
+def v1_index(name: str, ranks: int, params: int) -> Index:
+    """A version 1 index of layout ``name``: every chunk of every parameter listed."""
+    sharding, shape = layout(name, ranks, params)
     entries = {}
     for i in range(params):
         n = f"layers.{i // 10}.p{i % 10}.weight"
         chunks = tuple(
             chunk_for(n, i, r, *sharding.box(shape, sharding.mesh.coord_at(r)))
-            for r in range(sample)
+            for r in range(ranks)
         )
         entries[n] = TensorEntry(n, "BF16", shape, tuple(sorted(chunks, key=lambda c: c.offsets)))
     tree = {"dict": [[n, {"tensor": n}] for n in entries]}
-    files = {shard_file(r, 0): 400_000_000 for r in range(sample)}
-    index = Index(files, entries, {}, tree, "2026-01-01T00:00:00+00:00", "0", sample)
+    files = {shard_file(r, 0): 400_000_000 for r in range(ranks)}
+    index = Index(files, entries, {}, tree, "2026-01-01T00:00:00+00:00", "0", ranks)
+    index.format_version = 1
+    return index
+
+
+def v1_case(name: str, ranks: int, params: int, sample: int) -> dict[str, float]:
+    """Version 1 at ``ranks`` from a ``sample``-rank index of the same layout."""
+    index = v1_index(name, sample, params)
     start = time.perf_counter()
     raw = index.to_json()
     build = time.perf_counter() - start
@@ -235,24 +242,6 @@ def v1_case(name: str, ranks: int, params: int, sample: int) -> dict[str, float]
         "load_plan_s": parse * scale,
         "bytes_per_chunk": len(raw) / (sample * params),
     }
-
-
-def v1_index(ranks: int, params: int) -> bytes:
-    """A version 1 index of ``params`` row-sharded parameters, one chunk per rank each."""
-    sharding, shape = layout("fsdp", ranks, params)
-    entries = {}
-    for i in range(params):
-        n = f"layers.{i // 10}.p{i % 10}.weight"
-        chunks = tuple(
-            chunk_for(n, i, r, *sharding.box(shape, sharding.mesh.coord_at(r)))
-            for r in range(ranks)
-        )
-        entries[n] = TensorEntry(n, "BF16", shape, chunks)
-    tree = {"dict": [[n, {"tensor": n}] for n in entries]}
-    files = {shard_file(r, 0): 400_000_000 for r in range(ranks)}
-    index = Index(files, entries, {}, tree, "2026-01-01T00:00:00+00:00", "0", ranks)
-    index.format_version = 1
-    return index.to_json()
 
 
 def parse_case(raw: bytes) -> dict[str, float]:
@@ -334,7 +323,7 @@ def main() -> None:
     ):
         if args.quick:
             ranks_ //= 16
-        r = parse_case(v1_index(ranks_, params_))
+        r = parse_case(v1_index("fsdp", ranks_, params_).to_json())
         results[f"parse {label}"] = r
         print(
             f"\nparse {label}: {r['bytes'] / 1e6:.1f} MB in {r['parse_s']:.2f} s "
