@@ -309,3 +309,31 @@ def test_a_buddy_killed_mid_exchange_leaves_no_replica_a_restore_would_use(tmp_p
     replica = tmp_path / "node1" / "job" / "replica" / "rank00000" / "step-000000002"
     assert replica.is_dir() and any(replica.iterdir())  # killed halfway through the copy
     run_ranks(2, _restore_after_rank_0_was_replaced, str(tmp_path))
+
+
+def _save_with_rank_1_unable_to_list_its_copy(rank: int, world: int, root: str) -> None:
+    import shardpoint.training.memory_tier as memory_tier
+
+    _node_env(rank, root)
+    if rank == 1:
+
+        def unreadable(d):  # noqa: ANN001, ANN202
+            raise PermissionError(13, "Permission denied (injected)", str(d))
+
+        memory_tier._files = unreadable
+    tier = MemoryTier("job", root=Path(root) / f"shm{rank // 2}")
+    tier.save(1, {"w": torch.full((100,), float(rank))})
+    with pytest.raises(CheckpointError, match="injected"):
+        tier.wait()  # on every rank: the failing one and its buddies alike
+    tier.close(release=True)
+
+
+def test_a_rank_that_cannot_list_its_copy_fails_the_memory_save_on_every_rank(tmp_path):
+    """The file list is taken before the ranks agree: a rank whose listing fails joins
+    the agreement with its error instead of leaving the others waiting for it."""
+    from distributed import run_ranks_outcomes
+
+    outcomes = run_ranks_outcomes(
+        4, _save_with_rank_1_unable_to_list_its_copy, str(tmp_path), errors=tmp_path / "errors"
+    )
+    assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))

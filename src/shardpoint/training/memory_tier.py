@@ -178,11 +178,16 @@ class MemoryTier:
 
     def _send_to_buddies(self, step: int, error: str | None) -> None:
         own = self.own_dir(step)
+        files: dict[str, int] = {}
+        if error is None:
+            try:  # listed before the agreement: a rank that cannot must not leave it
+                files = _files(own)
+            except OSError as exc:
+                error = f"rank {self.rank}: {exc}"
         failed = dist.first_error(error, self.group)
         if failed is not None:
             shutil.rmtree(own, ignore_errors=True)
             raise CheckpointError(f"memory tier save of step {step} failed: {failed}")
-        files = _files(own)
         for k in range(1, self.replicas + 1):
             to = (self.rank + k * self.per_node) % self.world
             frm = (self.rank - k * self.per_node) % self.world
