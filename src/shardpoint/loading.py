@@ -415,9 +415,6 @@ class Undo:
 
 def _verify_blocks(ckpt: CommittedCheckpoint, p: _Pending, segment: Segment) -> None:
     data = memoryview(segment.array)
-    if p.blocks == 1 and p.first_block == 0 and len(p.chunk.checksums) == 1:
-        if checksum(data) == p.chunk.checksums[0]:  # a small chunk, read whole: one block
-            return
     step = p.chunk.block_rows * p.chunk.row_bytes
     for i in range(p.blocks):
         block = p.first_block + i

@@ -6,8 +6,8 @@ it, rank 0 learns each distinct list of regions the ranks must fill and plans; e
 region needed by several ranks is read and verified by one of them — the least loaded
 so far, so replicas split the reading — and sent to the others over
 ``torch.distributed``, after every rank reported its reads verified (a small
-all-gather). Every rank must
-call ``load`` with it, so it is opt-in; ``CheckpointManager.restore`` uses it.
+all-reduce). Every rank must call ``load`` with it, so it is opt-in;
+``CheckpointManager.restore`` uses it.
 
 Only CPU destinations are shared (the exchange runs on the CPU group); others are read
 by each rank as before.
