@@ -84,6 +84,60 @@ def test_a_two_replica_two_shard_load_reads_each_byte_from_storage_once(saved, s
         assert sum(read) == 2 * _bytes(SHAPES) + 4 * _bytes(DDP), read
 
 
+# Resharding: saved on 4 ranks one way, loaded on 3 another. Uneven shapes included.
+RESHARD = {"r.a": (64, 48), "r.b": (30, 50)}
+LAYOUTS = {
+    "columns": ((4,), ["s1"], (3,), ["s1"]),  # tensor-parallel column shards 4 -> 3
+    "rows": ((4,), ["s0"], (3,), ["s0"]),  # FSDP 4 -> 3
+    "fsdp x tp -> columns": ((2, 2), ["s0", "s1"], (3,), ["s1"]),
+}
+
+
+def _resharded_state(mesh_shape, placements, fill: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    kinds = [Shard(int(p[1])) for p in placements]
+    return {
+        n: distribute_tensor(_full(n, s) if fill else torch.zeros(s), mesh, kinds)
+        for n, s in RESHARD.items()
+    }
+
+
+def _save_layout(rank: int, world: int, path: str, layout: str) -> None:
+    mesh_shape, placements, _, _ = LAYOUTS[layout]
+    shardpoint.save(_resharded_state(mesh_shape, placements, True), path)
+
+
+def _load_layout(rank: int, world: int, path: str, layout: str, share: bool) -> None:
+    _, _, mesh_shape, placements = LAYOUTS[layout]
+    counter = [0]
+    _count_reads(counter)
+    state = _resharded_state(mesh_shape, placements, False)
+    shardpoint.load(state, path, share_reads=share)
+    for name, shape in RESHARD.items():
+        assert torch.equal(state[name].full_tensor(), _full(name, shape)), name
+    Path(f"{path}-read{rank}-{share}").write_text(json.dumps(counter[0]))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_resharding_load_reads_each_stored_byte_once_when_sharing(tmp_path, layout):
+    path = tmp_path / "ckpt"
+    run_ranks(4, _save_layout, str(path), layout)
+    for share in (False, True):
+        run_ranks(3, _load_layout, str(path), layout, share)
+    read = {
+        share: sum(json.loads(Path(f"{path}-read{r}-{share}").read_text()) for r in range(3))
+        for share in (False, True)
+    }
+    stored = _bytes(RESHARD)
+    assert read[True] == stored, read  # amplification 1.00
+    # Each rank alone reads every chunk it overlaps, whole rows widened to checksum
+    # blocks (one block per chunk at these sizes): 1.5x, and 2x for the 2-D mesh.
+    assert read[False] >= 1.5 * stored, read
+
+
 def _load_corrupt(rank: int, world: int, path: str) -> None:
     state = _state(offset=100.0)
     before = {
@@ -112,34 +166,49 @@ def test_a_checksum_error_on_the_rank_that_reads_fails_every_rank_and_changes_no
     assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
 
 
-def test_rank_0_plans_from_each_distinct_list_once_and_every_shared_region_has_one_reader():
-    """DDP: 64 ranks need the same 100 regions, sent once as one list; HSDP: two
-    replica groups. Each shared region is read by exactly one of the ranks that need it,
-    sent to the others, the reading split evenly; a rank's part lists only its regions."""
+def test_rank_0_plans_from_each_distinct_list_once_and_every_shared_chunk_has_one_reader():
+    """DDP: 64 ranks need the same 100 chunks, sent once as one list; HSDP: two
+    replica groups. Each shared chunk is read by exactly one of the ranks that need it,
+    which hands every other rank its piece; the reading is split evenly; a rank's part
+    lists only its own pieces."""
     from shardpoint.shared_reads import assign_readers
 
-    regions = [[f"w{i}|[0]|[10]", 40] for i in range(100)]
-    parts = assign_readers({"ddp": regions}, ["ddp"] * 64)
-    for tag in range(100):
-        readers = [
-            r
-            for r, part in enumerate(parts)
-            for t, _, to in part
-            if t == tag and isinstance(to, list)
+    pieces = [[f"w{i}|[0]", [0], [10], 4] for i in range(100)]
+    parts = assign_readers({"ddp": pieces}, ["ddp"] * 64)
+    for i in range(100):
+        key = f"w{i}|[0]"
+        reads = [
+            (r, item) for r, part in enumerate(parts) for item in part if item[:2] == ["read", key]
         ]
-        receivers = [
-            r
-            for r, part in enumerate(parts)
-            for t, _, src in part
-            if t == tag and isinstance(src, int)
-        ]
-        assert len(readers) == 1 and sorted(readers + receivers) == list(range(64))
-    assert all(len(part) == 100 for part in parts)  # its own regions, not ranks × regions
-    reads = [sum(isinstance(to, list) for _, _, to in part) for part in parts]
-    assert max(reads) - min(reads) <= 1
+        assert len(reads) == 1
+        reader, (_, _, lo, hi, sends) = reads[0]
+        assert (lo, hi) == ([0], [10]) and sorted(r for _, r, _, _ in sends) == list(range(64))
+        for tag, r, _, _ in sends:
+            if r != reader:
+                assert ["receive", tag, key, [0], [10], reader] in parts[r]
+    assert all(len(part) == 100 for part in parts)  # its own pieces, not ranks × pieces
+    reads_per_rank = [sum(item[0] == "read" for item in part) for part in parts]
+    assert max(reads_per_rank) - min(reads_per_rank) <= 1
 
-    shard_a = [["w|[0]|[5]", 20]]
-    shard_b = [["w|[5]|[5]", 20]]
+    shard_a = [["w|[0]", [0], [5], 4]]
+    shard_b = [["w|[5]", [5], [10], 4]]
     parts = assign_readers({"a": shard_a, "b": shard_b}, ["a", "b", "a", "b"])
-    assert parts[0] == [[0, "w|[0]|[5]", [2]]] and parts[2] == [[0, "w|[0]|[5]", 0]]
-    assert parts[1] == [[1, "w|[5]|[5]", [3]]] and parts[3] == [[1, "w|[5]|[5]", 1]]
+    assert parts[0] == [["read", "w|[0]", [0], [5], [[0, 0, [0], [5]], [1, 2, [0], [5]]]]]
+    assert parts[2] == [["receive", 1, "w|[0]", [0], [5], 0]]
+    assert parts[1] == [["read", "w|[5]", [5], [10], [[2, 1, [5], [10]], [3, 3, [5], [10]]]]]
+    assert parts[3] == [["receive", 3, "w|[5]", [5], [10], 1]]
+
+
+def test_a_chunk_two_ranks_need_different_parts_of_is_read_once_covering_both():
+    """Resharding: a [4, 6] chunk saved whole, loaded as column halves on two ranks.
+    One rank reads the rows both need and sends the other its half; a chunk one rank
+    alone needs is not shared."""
+    from shardpoint.shared_reads import assign_readers
+
+    left = [["t|[0, 0]", [0, 0], [4, 3], 4], ["u|[0]", [0], [8], 4]]
+    right = [["t|[0, 0]", [0, 3], [4, 6], 4]]
+    parts = assign_readers({"l": left, "r": right}, ["l", "r"])
+    assert parts[0] == [
+        ["read", "t|[0, 0]", [0, 0], [4, 6], [[0, 0, [0, 0], [4, 3]], [1, 1, [0, 3], [4, 6]]]]
+    ]
+    assert parts[1] == [["receive", 1, "t|[0, 0]", [0, 3], [4, 6], 0]]

@@ -353,11 +353,13 @@ MUTATIONS = [
         "reads not shared",
         "replicas read each byte from storage once (share_reads)",
         "src/shardpoint/shared_reads.py",
-        "    shared = sorted(key for key, ranks in holders.items() if len(ranks) > 1)",
-        "    shared = []",
+        "        if len(ranks) < 2:\n            continue\n",
+        "        if True:\n            continue\n",
         (
             "tests/test_shared_reads.py::"
             "test_a_two_replica_two_shard_load_reads_each_byte_from_storage_once",
+            "tests/test_shared_reads.py::"
+            "test_a_resharding_load_reads_each_stored_byte_once_when_sharing",
         ),
     ),
     Mutation(

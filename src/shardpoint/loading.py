@@ -187,6 +187,30 @@ class _Pending:
     live: bool  # the bytes land in (or are copied into) the caller's state
 
 
+@dataclass(slots=True)
+class ChunkRows:
+    """Rows ``[a, b)`` of a stored chunk read once for several ranks (shared reads);
+    ``tensor`` holds chunk rows ``first, first + 1, ...`` once the reads ran."""
+
+    entry: TensorEntry
+    chunk: Chunk
+    a: int
+    b: int
+    tensor: torch.Tensor | None = None
+    first: int = 0
+
+    def plan(self, verify: bool) -> tuple[Segment, _Pending]:
+        chunk, a, b = self.chunk, self.a, self.b
+        first = last = 0
+        if verify:  # whole checksum blocks
+            first, last = a // chunk.block_rows, -(-b // chunk.block_rows)
+            a, b = first * chunk.block_rows, min(last * chunk.block_rows, chunk.rows)
+        shape = (b - a, *chunk.shape[1:]) if chunk.shape else ()
+        self.tensor, self.first = torch.empty(shape, dtype=DTYPES[self.entry.dtype]), a
+        segment = Segment(chunk.begin + a * chunk.row_bytes, flat_bytes(self.tensor))
+        return segment, _Pending(self.entry, chunk, first, last - first, None, False)
+
+
 class ReadPlan:
     """Collects destination regions of stored entries, then reads and verifies them.
 
@@ -200,6 +224,10 @@ class ReadPlan:
         self.ckpt = ckpt
         self.regions: dict[str, list[_Region]] = {}
         self.fresh_tensors: dict[str, torch.Tensor] = {}
+        # Shared reads (shared_reads.py): pieces another rank reads for this one, as
+        # (id(region), chunk offsets), and chunk rows this rank reads for several.
+        self._skipped: set[tuple[int, tuple[int, ...]]] = set()
+        self._rows: list[ChunkRows] = []
 
     def into(self, name: str, dest: torch.Tensor, *, live: bool = False) -> None:
         """Fill ``dest`` (a plain tensor or a DTensor's local shard) with entry ``name``;
@@ -230,6 +258,21 @@ class ReadPlan:
             self.into(entry.name, t)
         return self.fresh_tensors[entry.name]
 
+    def skip(self, regions: list[_Region], chunk: Chunk) -> None:
+        """Leave what ``chunk`` holds of ``regions`` unread: it arrives some other way."""
+        self._skipped.update((id(r), chunk.offsets) for r in regions)
+
+    def read_rows(self, entry: TensorEntry, chunk: Chunk, a: int, b: int) -> ChunkRows:
+        """Read rows ``[a, b)`` of ``chunk`` too (widened to whole checksum blocks when
+        verifying), into a new tensor: ``run`` fills the returned handle."""
+        rows = ChunkRows(entry, chunk, a, b)
+        self._rows.append(rows)
+        return rows
+
+    def rows_in(self, entry: TensorEntry, chunk: Chunk, tensor: torch.Tensor) -> ChunkRows:
+        """All of ``chunk``, as a region exactly its size reads it into ``tensor``."""
+        return ChunkRows(entry, chunk, 0, chunk.rows, tensor, 0)
+
     def run(self, *, threads: int, verify: bool, direct: bool = True, atomic: bool = False) -> Undo:
         """Read, verify and place every region. With ``atomic``, on any error the live
         regions are as before, and on success the returned ``Undo`` can still put them
@@ -237,22 +280,31 @@ class ReadPlan:
         batches: list[dict[str, list[Segment]]] = [{}]
         batch_bytes = 0
         pending: dict[int, _Pending] = {}  # id(segment) -> what it holds
+
+        def add(segment: Segment, p: _Pending) -> None:
+            nonlocal batch_bytes
+            if p.chunk.file not in batches[-1]:  # checked once per file
+                self.ckpt.header(p.chunk.file)
+            if batch_bytes >= UNDO_BATCH_BYTES:
+                batches.append({})
+                batch_bytes = 0
+            batches[-1].setdefault(p.chunk.file, []).append(segment)
+            batch_bytes += segment.end - segment.offset
+            pending[id(segment)] = p
+
+        skipped = self._skipped
         for name, regions in self.regions.items():
             entry = self.ckpt.index.entries[name]
             for region in regions:
                 hi = tuple(o + n for o, n in zip(region.offsets, region.tensor.shape))
                 for chunk in self.ckpt.chunks(entry, region.offsets, hi):
+                    if skipped and (id(region), chunk.offsets) in skipped:
+                        continue
                     read = self._plan_chunk(entry, chunk, region, verify)
                     if read is not None:
-                        if chunk.file not in batches[-1]:  # checked once per file
-                            self.ckpt.header(chunk.file)
-                        segment, p = read
-                        if batch_bytes >= UNDO_BATCH_BYTES:
-                            batches.append({})
-                            batch_bytes = 0
-                        batches[-1].setdefault(chunk.file, []).append(segment)
-                        batch_bytes += segment.end - segment.offset
-                        pending[id(segment)] = p
+                        add(*read)
+        for rows in self._rows:
+            add(*rows.plan(verify))
 
         def verify_segment(segment: Segment) -> None:
             p = pending[id(segment)]

@@ -1,13 +1,18 @@
-"""Bytes several ranks need are read from storage once (``load(..., share_reads=True)``).
+"""Every stored byte a load needs is read from storage once (``load(..., share_reads=True)``).
 
-Under DDP every rank needs every parameter; under HSDP each replica group needs the
-same shards. Without sharing, N replicas read the same bytes N times from storage. With
-it, rank 0 learns each distinct list of regions the ranks must fill and plans; every
-region needed by several ranks is read and verified by one of them — the least loaded
-so far, so replicas split the reading — and sent to the others over
-``torch.distributed``, after every rank reported its reads verified (a small
-all-reduce). Every rank must call ``load`` with it, so it is opt-in;
-``CheckpointManager.restore`` uses it.
+Several ranks need the same stored chunk when they hold replicas (DDP parameters on
+every rank, HSDP replicas of a shard) and when they are cut differently than the ranks
+that saved (resharding: FSDP 4 -> 3 ranks, tensor-parallel column shards 4 -> 3). Each
+of them reading it alone makes storage serve the chunk once per rank that needs any of
+it — a column slice of a chunk costs whole rows, since checksums cover whole rows.
+
+With sharing the unit is the stored chunk. Every rank lists the pieces it needs (a
+chunk and the box of it); rank 0 learns each *distinct* list once and plans: each chunk
+several ranks need is read and verified by one of them — the least loaded so far, so
+the reading is split — once, covering the rows all of them need, and each piece is sent
+to its rank over ``torch.distributed`` after every rank reported its reads verified (a
+small all-reduce). Every rank must call ``load`` with it, so it is opt-in;
+``CheckpointManager.restore`` uses it when bytes may come from the object store.
 
 Only CPU destinations are shared (the exchange runs on the CPU group); others are read
 by each rank as before.
@@ -16,6 +21,7 @@ by each rank as before.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,22 +30,36 @@ import xxhash
 
 from . import dist
 from .errors import CheckpointError
+from .format.safetensors import itemsize
 from .tensor_memory import flat_bytes
 
-# The read plan, its regions and the undo copy are loading.py's (ReadPlan, Region,
-# Undo); typed Any here so that this module does not import the one that uses it.
+# The read plan, its regions, the rows read for others and the undo copy are
+# loading.py's (ReadPlan, Region, ChunkRows, Undo); typed Any here so that this module
+# does not import the one that uses it.
 ReadPlan = Any
 Region = Any
+ChunkRows = Any
 Undo = Any
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # [lo, hi) in the global tensor
+
+
+@dataclass
+class _Source:
+    """Rows of one stored chunk this rank reads, and the boxes of them to hand out."""
+
+    rows: ChunkRows  # .tensor holds chunk rows [.first, ...) once the reads ran
+    offsets: tuple[int, ...]  # the chunk's, in the global tensor
+    sends: list[tuple[int, int, Box]] = field(default_factory=list)  # tag, rank, box
+    own: list[tuple[Box, list[Region]]] = field(default_factory=list)  # this rank's pieces
 
 
 @dataclass
 class SharedReads:
-    """This rank's part of the exchange, in the agreed order (its index is the tag)."""
+    """This rank's part of the exchange, in the agreed order (tags number the transfers)."""
 
-    sends: list[tuple[int, torch.Tensor, list[int]]] = field(default_factory=list)
-    receives: list[tuple[int, Region, int]] = field(default_factory=list)
-    read_bytes: int = 0  # of the shared regions, what this rank reads itself
+    sources: list[_Source] = field(default_factory=list)
+    receives: list[tuple[int, int, Box, list[Region]]] = field(default_factory=list)
 
 
 def agree(error: BaseException | None, where: str, group: Any) -> None:
@@ -67,21 +87,35 @@ def join_failed(error: BaseException, where: str) -> None:
 def plan_shared_reads(
     reads: ReadPlan | None, error: BaseException | None, where: str, group: Any
 ) -> SharedReads:
-    """Agree with every rank on who reads each region several ranks need, and take the
-    regions other ranks read out of ``reads``. Raises on every rank if any rank failed
-    to prepare its load (``error``, and no ``reads``).
+    """Agree with every rank on who reads each stored chunk several ranks need, and
+    take the pieces other ranks read for this one out of ``reads``. Raises on every
+    rank if any rank failed to prepare its load (``error``, and no ``reads``).
 
-    What crosses the wire does not grow with ranks × tensors: every rank sends a digest
-    of its region list (one small all-gather), rank 0 receives each *distinct* list once
-    (under DDP all ranks need the same regions: one list), plans, and each rank
-    receives only its own part of the plan."""
-    mine: dict[str, Region] = {}
+    What crosses the wire does not grow with ranks × tensors when ranks repeat each
+    other's needs: every rank sends a digest of its piece list (one small all-gather),
+    rank 0 receives each *distinct* list once (under DDP all ranks need the same
+    pieces: one list), plans, and each rank receives only its own part of the plan."""
+    pieces: dict[tuple[str, Box], list[Region]] = {}
+    stored: dict[str, Any] = {}  # chunk key -> (entry, chunk)
+    wanted: list[list[Any]] = []  # [chunk key, lo, hi, item size], in first-seen order
     if reads is not None:
         for name, regions in reads.regions.items():
+            entry = reads.ckpt.index.entries[name]
             for r in regions:
-                if r.tensor.device.type == "cpu":
-                    mine[f"{name}|{list(r.offsets)}|{list(r.tensor.shape)}"] = r
-    wanted = [[k, r.tensor.numel() * r.tensor.element_size()] for k, r in mine.items()]
+                if r.tensor.device.type != "cpu":
+                    continue
+                top = tuple(o + n for o, n in zip(r.offsets, r.tensor.shape))
+                for chunk in reads.ckpt.chunks(entry, r.offsets, top):
+                    lo = tuple(max(a, c) for a, c in zip(r.offsets, chunk.offsets))
+                    hi = tuple(min(a, c + n) for a, c, n in zip(top, chunk.offsets, chunk.shape))
+                    if any(a >= b for a, b in zip(lo, hi)):
+                        continue  # no overlap (or empty: nothing to read)
+                    key = f"{name}|{list(chunk.offsets)}"
+                    if (key, (lo, hi)) not in pieces:
+                        pieces[key, (lo, hi)] = []
+                        wanted.append([key, list(lo), list(hi), itemsize(entry.dtype)])
+                        stored[key] = (entry, chunk)
+                    pieces[key, (lo, hi)].append(r)
     digest = xxhash.xxh3_64_hexdigest(json.dumps(wanted).encode())
     facts = dist.all_gather_json(
         {"error": f"rank {dist.rank()}: {error}" if error else None, "digest": digest}, group
@@ -95,68 +129,120 @@ def plan_shared_reads(
         distinct = {digests[r]: lst for r, lst in enumerate(lists) if lst is not None}
         parts = assign_readers(distinct, digests)
     part = dist.scatter_json(parts, 0, group)
+    assert reads is not None or not part
+    me = dist.rank()
     plan = SharedReads()
-    for tag, key, readers in part:
-        region = mine[key]
-        assert reads is not None
-        if isinstance(readers, list):  # this rank reads it and sends it to these
-            plan.sends.append((tag, region.tensor, readers))
-            plan.read_bytes += region.tensor.numel() * region.tensor.element_size()
-        else:  # rank ``readers`` reads it for this one
-            plan.receives.append((tag, region, readers))
-            name = key.split("|", 1)[0]
-            reads.regions[name] = [r for r in reads.regions[name] if r is not region]
+    for item in part:
+        if item[0] == "receive":
+            _, tag, key, lo, hi, reader = item
+            box = (tuple(lo), tuple(hi))
+            regions = pieces[key, box]
+            reads.skip(regions, stored[key][1])
+            plan.receives.append((tag, reader, box, regions))
+            continue
+        _, key, lo, hi, sends = item
+        entry, chunk = stored[key]
+        source = _Source(None, chunk.offsets)
+        for tag, rank, blo, bhi in sends:
+            box = (tuple(blo), tuple(bhi))
+            if rank != me:
+                source.sends.append((tag, rank, box))
+                continue
+            regions = pieces[key, box]
+            inside = next((r for r in regions if _is_chunk(r, chunk)), None)
+            if inside is not None and source.rows is None and lo == blo and hi == bhi:
+                # This rank's region is the chunk and nobody needs more of it: it is
+                # read in place, as without sharing, and sent from there.
+                source.rows = reads.rows_in(entry, chunk, inside.tensor)
+                regions = [r for r in regions if r is not inside]
+            reads.skip(regions, chunk)
+            source.own.append((box, regions))
+        if source.rows is None:
+            rows = (lo[0] - chunk.offsets[0], hi[0] - chunk.offsets[0]) if lo else (0, 1)
+            source.rows = reads.read_rows(entry, chunk, *rows)
+        plan.sources.append(source)
     return plan
 
 
-def assign_readers(
-    distinct: dict[str, list[list[Any]]], digests: list[str]
-) -> list[list[list[Any]]]:
-    """Rank 0's plan: for each region several ranks need (by key), the reader is the
-    least loaded of them so far, so replicas split the reading. ``distinct``: each
-    distinct region list (``[key, bytes]`` pairs) by digest; ``digests``: each rank's.
-    Returns each rank's part: ``[tag, key, [ranks to send to]]`` where it reads,
-    ``[tag, key, reader]`` where it receives; tags number the shared regions."""
-    holders: dict[str, list[int]] = {}
-    sizes: dict[str, int] = {}
+def _is_chunk(region: Region, chunk: Any) -> bool:
+    t = region.tensor
+    return region.offsets == chunk.offsets and tuple(t.shape) == chunk.shape and t.is_contiguous()
+
+
+def assign_readers(distinct: dict[str, list[list[Any]]], digests: list[str]) -> list[list[Any]]:
+    """Rank 0's plan. ``distinct``: each distinct piece list (``[chunk key, lo, hi,
+    item size]``) by digest; ``digests``: each rank's. Each chunk several ranks need is
+    read by the least loaded of them so far, so the reading is split.
+
+    Returns each rank's part: ``["read", chunk key, lo, hi, [[tag, rank, lo, hi], ...]]``
+    where it reads (the rows of the box ``[lo, hi)`` bounding every piece, and the
+    pieces to hand out, its own among them), ``["receive", tag, chunk key, lo, hi,
+    reader]`` where it receives. Tags number the transfers."""
     ranks_of: dict[str, list[int]] = {}
     for rank, d in enumerate(digests):
         ranks_of.setdefault(d, []).append(rank)
+    needs: dict[str, dict[Box, list[int]]] = {}  # chunk key -> box -> ranks
+    sizes: dict[str, int] = {}
     for d, ranks in ranks_of.items():
-        for key, nbytes in distinct[d]:
-            holders.setdefault(key, []).extend(ranks)
-            sizes[key] = nbytes
+        for key, lo, hi, size in distinct[d]:
+            needs.setdefault(key, {}).setdefault((tuple(lo), tuple(hi)), []).extend(ranks)
+            sizes[key] = size
     load = [0] * len(digests)
-    parts: list[list[list[Any]]] = [[] for _ in digests]
-    shared = sorted(key for key, ranks in holders.items() if len(ranks) > 1)
-    for tag, key in enumerate(shared):
-        ranks = sorted(holders[key])
+    parts: list[list[Any]] = [[] for _ in digests]
+    tag = 0
+    for key in sorted(needs):
+        boxes = needs[key]
+        ranks = sorted({r for rs in boxes.values() for r in rs})
+        if len(ranks) < 2:
+            continue
+        lo = [min(b[0][d] for b in boxes) for d in range(len(next(iter(boxes))[0]))]
+        hi = [max(b[1][d] for b in boxes) for d in range(len(lo))]
         reader = min(ranks, key=load.__getitem__)  # the first of equals: the lowest rank
-        load[reader] += sizes[key]
-        parts[reader].append([tag, key, [r for r in ranks if r != reader]])
-        for r in ranks:
-            if r != reader:
-                parts[r].append([tag, key, reader])
+        load[reader] += math.prod(b - a for a, b in zip(lo, hi)) * sizes[key]
+        sends = []
+        for (blo, bhi), rs in sorted(boxes.items()):
+            for r in sorted(rs):
+                sends.append([tag, r, list(blo), list(bhi)])
+                if r != reader:
+                    parts[r].append(["receive", tag, key, list(blo), list(bhi), reader])
+                tag += 1
+        parts[reader].append(["read", key, lo, hi, sends])
     return parts
 
 
 def exchange(plan: SharedReads, undo: Undo, group: Any) -> None:
-    """Send the regions this rank read to the ranks that need them and receive the
+    """Send the pieces this rank read to the ranks that need them and receive the
     others, then put them in place (with an undo copy of live ones first)."""
     pending = []
-    received = []
-    for tag, region, src in plan.receives:
-        buffer = torch.empty(region.tensor.shape, dtype=region.tensor.dtype)
-        pending.append(dist.irecv_bytes(flat_bytes(buffer), src, tag, group))
-        received.append((region, buffer))
-    sent = [flat_bytes(tensor.contiguous()) for _, tensor, _ in plan.sends]  # alive until sent
-    for (tag, _, dsts), data in zip(plan.sends, sent):
-        pending.extend(dist.isend_bytes(data, dst, tag, group) for dst in dsts)
+    arrived: list[tuple[tuple[int, ...], list[Region], torch.Tensor]] = []
+    for tag, reader, (lo, hi), regions in plan.receives:
+        shape = tuple(b - a for a, b in zip(lo, hi))
+        buffer = torch.empty(shape, dtype=regions[0].tensor.dtype)
+        pending.append(dist.irecv_bytes(flat_bytes(buffer), reader, tag, group))
+        arrived.append((lo, regions, buffer))
+    sent = []  # alive until sent
+    for source in plan.sources:
+        for tag, rank, box in source.sends:
+            data = flat_bytes(_piece(source, box).contiguous())
+            sent.append(data)
+            pending.append(dist.isend_bytes(data, rank, tag, group))
+        arrived.extend((box[0], regions, _piece(source, box)) for box, regions in source.own)
     for work in pending:
         work.wait()
     with torch.no_grad():
-        for region, buffer in received:
-            for dest in (region.tensor, *region.copies):
-                if region.live:
-                    undo.save([dest])
-                dest.copy_(buffer)
+        for lo, regions, data in arrived:
+            for region in regions:
+                for dest in (region.tensor, *region.copies):
+                    for dim, (a, o) in enumerate(zip(lo, region.offsets)):
+                        dest = dest.narrow(dim, a - o, data.shape[dim])
+                    if region.live:
+                        undo.save([dest])
+                    dest.copy_(data)
+
+
+def _piece(source: _Source, box: Box) -> torch.Tensor:
+    """The box ``[lo, hi)`` (global coordinates) of what ``source`` read."""
+    view = source.rows.tensor
+    for dim, (a, b, o) in enumerate(zip(*box, source.offsets)):
+        view = view.narrow(dim, a - o - (source.rows.first if dim == 0 else 0), b - a)
+    return view
