@@ -264,7 +264,10 @@ def shared_reads_case(ranks: int, regions: int, replicas: int) -> dict[str, floa
 
     groups = ranks // replicas  # distinct lists: one per shard group
     lists = {
-        f"g{g}": [[f"w{i}|[{g * 64}]|[64, 128]", 64 * 128 * 4] for i in range(regions)]
+        f"g{g}": [
+            [f"w{i}|[{g * 64}, 0]", [g * 64, 0], [g * 64 + 64, 128], 64 * 128 * 4]
+            for i in range(regions)
+        ]
         for g in range(groups)
     }
     digests = [f"g{r % groups}" for r in range(ranks)]

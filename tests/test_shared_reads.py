@@ -173,7 +173,7 @@ def test_rank_0_plans_from_each_distinct_list_once_and_every_shared_chunk_has_on
     lists only its own pieces."""
     from shardpoint.shared_reads import assign_readers
 
-    pieces = [[f"w{i}|[0]", [0], [10], 4] for i in range(100)]
+    pieces = [[f"w{i}|[0]", [0], [10], 40] for i in range(100)]
     parts = assign_readers({"ddp": pieces}, ["ddp"] * 64)
     for i in range(100):
         key = f"w{i}|[0]"
@@ -190,8 +190,8 @@ def test_rank_0_plans_from_each_distinct_list_once_and_every_shared_chunk_has_on
     reads_per_rank = [sum(item[0] == "read" for item in part) for part in parts]
     assert max(reads_per_rank) - min(reads_per_rank) <= 1
 
-    shard_a = [["w|[0]", [0], [5], 4]]
-    shard_b = [["w|[5]", [5], [10], 4]]
+    shard_a = [["w|[0]", [0], [5], 20]]
+    shard_b = [["w|[5]", [5], [10], 20]]
     parts = assign_readers({"a": shard_a, "b": shard_b}, ["a", "b", "a", "b"])
     assert parts[0] == [["read", "w|[0]", [0], [5], [[0, 0, [0], [5]], [1, 2, [0], [5]]]]]
     assert parts[2] == [["receive", 1, "w|[0]", [0], [5], 0]]
@@ -205,8 +205,8 @@ def test_a_chunk_two_ranks_need_different_parts_of_is_read_once_covering_both():
     alone needs is not shared."""
     from shardpoint.shared_reads import assign_readers
 
-    left = [["t|[0, 0]", [0, 0], [4, 3], 4], ["u|[0]", [0], [8], 4]]
-    right = [["t|[0, 0]", [0, 3], [4, 6], 4]]
+    left = [["t|[0, 0]", [0, 0], [4, 3], 48], ["u|[0]", [0], [8], 32]]
+    right = [["t|[0, 0]", [0, 3], [4, 6], 48]]
     parts = assign_readers({"l": left, "r": right}, ["l", "r"])
     assert parts[0] == [
         ["read", "t|[0, 0]", [0, 0], [4, 6], [[0, 0, [0, 0], [4, 3]], [1, 1, [0, 3], [4, 6]]]]

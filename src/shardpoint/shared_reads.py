@@ -97,7 +97,7 @@ def plan_shared_reads(
     pieces: one list), plans, and each rank receives only its own part of the plan."""
     pieces: dict[tuple[str, Box], list[Region]] = {}
     stored: dict[str, Any] = {}  # chunk key -> (entry, chunk)
-    wanted: list[list[Any]] = []  # [chunk key, lo, hi, item size], in first-seen order
+    wanted: list[list[Any]] = []  # [chunk key, lo, hi, bytes], in first-seen order
     if reads is not None:
         for name, regions in reads.regions.items():
             entry = reads.ckpt.index.entries[name]
@@ -113,7 +113,8 @@ def plan_shared_reads(
                     key = f"{name}|{list(chunk.offsets)}"
                     if (key, (lo, hi)) not in pieces:
                         pieces[key, (lo, hi)] = []
-                        wanted.append([key, list(lo), list(hi), itemsize(entry.dtype)])
+                        nbytes = math.prod(b - a for a, b in zip(lo, hi)) * itemsize(entry.dtype)
+                        wanted.append([key, list(lo), list(hi), nbytes])
                         stored[key] = (entry, chunk)
                     pieces[key, (lo, hi)].append(r)
     digest = xxhash.xxh3_64_hexdigest(json.dumps(wanted).encode())
@@ -171,7 +172,7 @@ def _is_chunk(region: Region, chunk: Any) -> bool:
 
 def assign_readers(distinct: dict[str, list[list[Any]]], digests: list[str]) -> list[list[Any]]:
     """Rank 0's plan. ``distinct``: each distinct piece list (``[chunk key, lo, hi,
-    item size]``) by digest; ``digests``: each rank's. Each chunk several ranks need is
+    bytes]``) by digest; ``digests``: each rank's. Each chunk several ranks need is
     read by the least loaded of them so far, so the reading is split.
 
     Returns each rank's part: ``["read", chunk key, lo, hi, [[tag, rank, lo, hi], ...]]``
@@ -181,30 +182,46 @@ def assign_readers(distinct: dict[str, list[list[Any]]], digests: list[str]) -> 
     ranks_of: dict[str, list[int]] = {}
     for rank, d in enumerate(digests):
         ranks_of.setdefault(d, []).append(rank)
-    needs: dict[str, dict[Box, list[int]]] = {}  # chunk key -> box -> ranks
-    sizes: dict[str, int] = {}
+    # chunk key -> [[lo, hi, ranks needing that box], ...] (usually one box: replicas)
+    needs: dict[str, list[list[Any]]] = {}
+    sizes: dict[str, int] = {}  # chunk key -> bytes of its first box
     for d, ranks in ranks_of.items():
-        for key, lo, hi, size in distinct[d]:
-            needs.setdefault(key, {}).setdefault((tuple(lo), tuple(hi)), []).extend(ranks)
-            sizes[key] = size
+        for key, lo, hi, nbytes in distinct[d]:
+            boxes = needs.get(key)
+            if boxes is None:
+                needs[key] = [[lo, hi, ranks]]
+                sizes[key] = nbytes
+                continue
+            for box in boxes:
+                if box[0] == lo and box[1] == hi:
+                    box[2] = sorted(box[2] + ranks)
+                    break
+            else:
+                boxes.append([lo, hi, ranks])
     load = [0] * len(digests)
     parts: list[list[Any]] = [[] for _ in digests]
     tag = 0
-    for key in sorted(needs):
-        boxes = needs[key]
-        ranks = sorted({r for rs in boxes.values() for r in rs})
-        if len(ranks) < 2:
-            continue
-        lo = [min(b[0][d] for b in boxes) for d in range(len(next(iter(boxes))[0]))]
-        hi = [max(b[1][d] for b in boxes) for d in range(len(lo))]
+    for key, boxes in needs.items():  # in the order rank 0 met them: the same on a rerun
+        nbytes = sizes[key]
+        if len(boxes) == 1:
+            lo, hi, ranks = boxes[0]
+            if len(ranks) < 2:
+                continue
+        else:
+            first = math.prod(b - a for a, b in zip(boxes[0][0], boxes[0][1]))
+            boxes.sort()
+            ranks = sorted({r for box in boxes for r in box[2]})
+            lo = [min(d) for d in zip(*(box[0] for box in boxes))]
+            hi = [max(d) for d in zip(*(box[1] for box in boxes))]
+            nbytes = nbytes // first * math.prod(b - a for a, b in zip(lo, hi))
         reader = min(ranks, key=load.__getitem__)  # the first of equals: the lowest rank
-        load[reader] += math.prod(b - a for a, b in zip(lo, hi)) * sizes[key]
+        load[reader] += nbytes
         sends = []
-        for (blo, bhi), rs in sorted(boxes.items()):
-            for r in sorted(rs):
-                sends.append([tag, r, list(blo), list(bhi)])
+        for blo, bhi, rs in boxes:
+            for r in rs:
+                sends.append([tag, r, blo, bhi])
                 if r != reader:
-                    parts[r].append(["receive", tag, key, list(blo), list(bhi), reader])
+                    parts[r].append(["receive", tag, key, blo, bhi, reader])
                 tag += 1
         parts[reader].append(["read", key, lo, hi, sends])
     return parts
