@@ -337,7 +337,7 @@ def main() -> None:
         r = shared_reads_case(shared_ranks, 500, replicas)
         results[f"shared_reads {label}"] = r
         print(
-            f"\nshared reads, {label}: {shared_ranks:,} ranks x 500 regions: each rank "
+            f"\nshared reads, {label}: {shared_ranks:,} ranks x 500 pieces: each rank "
             f"received {r['before_bytes_per_rank'] / 1e6:.1f} MB before, now "
             f"{r['after_bytes_per_rank'] / 1e6:.2f} MB (rank 0: "
             f"{r['after_rank0_bytes'] / 1e6:.2f} MB in, plans in {r['rank0_plan_s']:.2f} s)"

@@ -351,7 +351,7 @@ MUTATIONS = [
     ),
     Mutation(
         "reads not shared",
-        "replicas read each byte from storage once (share_reads)",
+        "each stored byte read once (share_reads)",
         "src/shardpoint/shared_reads.py",
         "        if len(ranks) < 2:\n            continue\n",
         "        if True:\n            continue\n",

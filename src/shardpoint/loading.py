@@ -65,8 +65,9 @@ def load(
     those tensors partly overwritten.
 
     ``share_reads`` (under ``torch.distributed``; every rank must call ``load`` with
-    it): bytes that several ranks need — DDP parameters, HSDP replicas of a shard — are
-    read from storage by one of them and sent to the others (``shared_reads.py``).
+    it): a stored chunk several ranks need — DDP parameters, HSDP replicas of a shard,
+    a chunk a resharded cut splits between ranks — is read from storage once, by one of
+    them, and each of the others is sent its piece (``shared_reads.py``).
 
     >>> import torch, shardpoint
     >>> state = {"w": torch.zeros(2), "step": 0}
