@@ -314,7 +314,8 @@ def main() -> None:
             (f"node-local, {nodes:,} nodes: rank 0 works (s)",
              nodes * v2["per_node_index_s"], v2["per_node_index_s"] + v2["per_node_rank0_s"]),
             ("  each node's first rank builds its index (s)", None, v2["per_node_leader_s"]),
-            ("  every rank receives (MB)", nodes * node_mb, v2["per_node_inputs_bytes"] / 1e6),
+            ("  each node's first rank receives (MB)", nodes * node_mb,
+             v2["per_node_inputs_bytes"] / 1e6),
         ]  # fmt: skip
         print(f"{'':46} {'v1 / before':>18} {'v2 (measured)':>14}")
         for label, old, new in rows:

@@ -127,3 +127,30 @@ def run_ranks_outcomes(
         )
         outcomes.append(RankOutcome(rank, exitcode, exception, error))
     return outcomes
+
+
+def count_received(log: list[tuple[str, int]]) -> None:
+    """Record every torch.distributed call of this rank and the bytes it received."""
+
+    def size(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    received = {
+        "all_gather": lambda out, *a, **k: size(out),
+        "all_reduce": lambda t, *a, **k: size([t]),
+        "gather": lambda t, out=None, *a, **k: size(out or []),
+        "scatter": lambda t, *a, **k: size([t]),
+        "broadcast": lambda t, src, *a, **k: 0 if dist.get_rank() == src else size([t]),
+        "recv": lambda t, *a, **k: size([t]),
+        "send": lambda t, *a, **k: 0,
+        "barrier": lambda *a, **k: 0,
+    }
+    for name, counter in received.items():
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, _name=name, _counter=counter, **kwargs):
+            result = _real(*args, **kwargs)
+            log.append((_name, _counter(*args, **kwargs)))
+            return result
+
+        setattr(dist, name, counted)

@@ -20,7 +20,7 @@ import boto3
 import test_object_store
 import torch
 import torch.distributed as dist
-from distributed import run_ranks
+from distributed import count_received, run_ranks
 from test_object_store import CREDENTIALS
 
 from shardpoint import CheckpointManager, RemoteTier, SavePolicy
@@ -305,3 +305,63 @@ def test_a_node_that_cannot_commit_makes_every_node_withdraw_its_copy(tmp_path):
     shards = [i for i, name in enumerate(deleted) if name.endswith(".safetensors")]
     assert MARKER_NAME in deleted and shards, deleted
     assert deleted.index(MARKER_NAME) < min(shards), deleted
+
+
+def _steady_per_node_saves(rank: int, world: int, root: str) -> None:
+    from shardpoint.saving import SaveOptions, run_save
+    from shardpoint.storage import open_storage
+
+    node = _as_node(rank)
+    log: list[tuple[str, int]] = []
+    count_received(log)
+    for step in range(2):  # the second reuses the plan
+        before = len(log)
+        storage = open_storage(str(_node_dir(root, node) / f"step{step}"))
+        run_save(_state(rank), storage, SaveOptions(per_node=True))
+    Path(root, f"received{rank}.json").write_text(json.dumps(log[before:]))
+
+
+def test_only_each_nodes_first_rank_receives_what_its_nodes_index_needs(tmp_path):
+    """Rank 0 relays the index inputs (every rank's report, the tree, ...: O(ranks) per
+    save) to the nodes' first ranks only: the other ranks of a node receive a few
+    bytes of agreement and outcome, whatever the job's size."""
+    root = str(tmp_path)
+    run_ranks(WORLD, _steady_per_node_saves, root)
+    received = [json.loads(Path(root, f"received{r}.json").read_text()) for r in range(WORLD)]
+    for rank in (1, 3):  # not first on their node
+        assert sum(n for _, n in received[rank]) < 100, received[rank]
+    leader = received[RANKS_PER_NODE]  # node 1's first rank: the inputs, then the index
+    assert sum(n for name, n in leader if name == "recv") > 1000, leader
+    for node in (0, 1):
+        step = _node_dir(root, node) / "step1"
+        assert (step / MARKER_NAME).exists()
+        index = json.loads((step / INDEX_NAME).read_text())
+        files = {c["file"] for c in index["tensors"]["model.w"]["chunks"]}
+        assert all((step / f).exists() for f in files), (node, files)
+
+
+RELAYED = [0, 5, 1, 4, 2]  # rank 3 is left out; 5 listed ranks make a tree 3 deep
+
+
+def _relay(rank: int, world: int, root: str) -> None:
+    from shardpoint import dist as sp_dist
+
+    log: list[tuple[str, int]] = []
+    count_received(log)
+    value = {"rows": list(range(100)), "from": "rank 0"} if rank == 0 else None
+    if rank in RELAYED:
+        value = sp_dist.relay_json(value, RELAYED)
+    Path(root, f"relay{rank}.json").write_text(json.dumps([value, log]))
+
+
+def test_the_relay_reaches_every_listed_rank_once_and_no_other(tmp_path):
+    run_ranks(6, _relay, str(tmp_path))
+    expected = {"rows": list(range(100)), "from": "rank 0"}
+    for rank in range(6):
+        value, log = json.loads((tmp_path / f"relay{rank}.json").read_text())
+        receives = [n for name, n in log if name == "recv"]
+        if rank in RELAYED:
+            assert value == expected, rank
+            assert len(receives) == (0 if rank == 0 else 2), (rank, log)  # size, then bytes
+        else:
+            assert value is None and log == [], (rank, log)

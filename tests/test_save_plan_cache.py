@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
-import torch.distributed as tdist
-from distributed import run_ranks
+from distributed import count_received, run_ranks
 
 import shardpoint
 from shardpoint import dist as sp_dist
@@ -36,33 +35,6 @@ def _count_collectives(log: list[tuple[str, int]]) -> None:
                 depth[0] -= 1
 
         setattr(sp_dist, name, counted)
-
-
-def _count_received(log: list[tuple[str, int]]) -> None:
-    """Record every torch.distributed call of this rank and the bytes it received."""
-
-    def size(tensors) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    received = {
-        "all_gather": lambda out, *a, **k: size(out),
-        "all_reduce": lambda t, *a, **k: size([t]),
-        "gather": lambda t, out=None, *a, **k: size(out or []),
-        "scatter": lambda t, *a, **k: size([t]),
-        "broadcast": lambda t, src, *a, **k: 0 if tdist.get_rank() == src else size([t]),
-        "recv": lambda t, *a, **k: size([t]),
-        "send": lambda t, *a, **k: 0,
-        "barrier": lambda *a, **k: 0,
-    }
-    for name, counter in received.items():
-        real = getattr(tdist, name)
-
-        def counted(*args, _real=real, _name=name, _counter=counter, **kwargs):
-            result = _real(*args, **kwargs)
-            log.append((_name, _counter(*args, **kwargs)))
-            return result
-
-        setattr(tdist, name, counted)
 
 
 def _state(rank: int, step: int, own_rows: int) -> dict:
@@ -122,7 +94,7 @@ def test_an_unchanged_structure_is_not_gathered_again_and_a_change_on_one_rank_i
 
 def _steady_saves(rank: int, world: int, root: str) -> None:
     log: list[tuple[str, int]] = []
-    _count_received(log)
+    count_received(log)
     for step in range(3):
         before = len(log)
         shardpoint.save(_state(rank, step, 2), f"{root}/step{step}")

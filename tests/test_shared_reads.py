@@ -166,6 +166,24 @@ def test_a_checksum_error_on_the_rank_that_reads_fails_every_rank_and_changes_no
     assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
 
 
+def test_a_fragment_one_rank_cannot_read_while_planning_fails_every_rank(saved, tmp_path):
+    """Finding a sharded entry's chunks reads its writer's fragment: a rank that fails
+    there joins the planning's agreement with its error, so every rank raises instead
+    of waiting for it."""
+    import shutil
+
+    from shardpoint.names import fragment_file
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(saved, damaged)
+    index = json.loads((damaged / "index.json").read_text())
+    writer = max(int(r) for r in index["fragments"])  # the rows of another rank than 0
+    path = damaged / fragment_file(writer)
+    path.write_bytes(path.read_bytes().replace(b'"block_rows":', b'"block_rows": '))
+    outcomes = run_ranks_outcomes(4, _load_corrupt, str(damaged), errors=tmp_path / "errors")
+    assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
+
+
 def test_rank_0_plans_from_each_distinct_list_once_and_every_shared_chunk_has_one_reader():
     """DDP: 64 ranks need the same 100 chunks, sent once as one list; HSDP: two
     replica groups. Each shared chunk is read by exactly one of the ranks that need it,
@@ -193,10 +211,10 @@ def test_rank_0_plans_from_each_distinct_list_once_and_every_shared_chunk_has_on
     shard_a = [["w|[0]", [0], [5], 20]]
     shard_b = [["w|[5]", [5], [10], 20]]
     parts = assign_readers({"a": shard_a, "b": shard_b}, ["a", "b", "a", "b"])
-    assert parts[0] == [["read", "w|[0]", [0], [5], [[0, 0, [0], [5]], [1, 2, [0], [5]]]]]
-    assert parts[2] == [["receive", 1, "w|[0]", [0], [5], 0]]
-    assert parts[1] == [["read", "w|[5]", [5], [10], [[2, 1, [5], [10]], [3, 3, [5], [10]]]]]
-    assert parts[3] == [["receive", 3, "w|[5]", [5], [10], 1]]
+    assert parts[0] == [["read", "w|[0]", [0], [5], [[0, 0, [0], [5]], [0, 2, [0], [5]]]]]
+    assert parts[2] == [["receive", 0, "w|[0]", [0], [5], 0]]
+    assert parts[1] == [["read", "w|[5]", [5], [10], [[0, 1, [5], [10]], [0, 3, [5], [10]]]]]
+    assert parts[3] == [["receive", 0, "w|[5]", [5], [10], 1]]
 
 
 def test_a_chunk_two_ranks_need_different_parts_of_is_read_once_covering_both():

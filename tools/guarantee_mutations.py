@@ -287,6 +287,19 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "index inputs relayed to every rank",
+        "what a rank receives per save does not grow with the ranks (node-local copies)",
+        "src/shardpoint/saving.py",
+        "        if plan.commit is not None:  # it commits its node's copy: it needs the inputs\n"
+        "            leaders = [0, *(r for r, s in enumerate(plan.structures)"
+        ' if s["leader"] and r)]\n',
+        "        if True:\n            leaders = list(range(len(plan.structures)))\n",
+        (
+            "tests/test_node_local_copies.py::"
+            "test_only_each_nodes_first_rank_receives_what_its_nodes_index_needs",
+        ),
+    ),
+    Mutation(
         "a node's copy not withdrawn",
         "visible ⇒ complete (node-local copies)",
         "src/shardpoint/saving.py",
@@ -347,6 +360,20 @@ MUTATIONS = [
         (
             "tests/test_format_v2.py::"
             "test_each_ranks_rng_streams_live_in_its_fragment_not_in_the_index",
+        ),
+    ),
+    Mutation(
+        "planning error outside the agreement",
+        "a failure on one rank fails every rank (loads that share reads)",
+        "src/shardpoint/shared_reads.py",
+        "        try:  # finding the chunks reads fragments: an error joins the agreement below\n"
+        "            pieces, stored, wanted = _pieces(reads)\n"
+        "        except Exception as exc:\n"
+        "            error = exc\n",
+        "        pieces, stored, wanted = _pieces(reads)\n",
+        (
+            "tests/test_shared_reads.py::"
+            "test_a_fragment_one_rank_cannot_read_while_planning_fails_every_rank",
         ),
     ),
     Mutation(

@@ -197,6 +197,39 @@ def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
     return value if rank() == src else json.loads(data.numpy().tobytes())
 
 
+def relay_json(value: Any, ranks: list[int], group: Any = None) -> Any:
+    """``value`` from ``ranks[0]`` on every rank of ``ranks`` (only they call this), along
+    a binomial tree: each receives it once, point to point, and passes it on to at most
+    log2(len(ranks)) others, the farthest first. Ranks outside the list receive nothing:
+    a node's first rank gets what its node's index needs, the node's other ranks do not."""
+    if not is_distributed():
+        return value
+    group = _cpu_group() if group is None else group
+    me = ranks.index(rank())
+    if me == 0:
+        data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+    else:
+        parent = ranks[me - (1 << (me.bit_length() - 1))]  # me without its highest bit
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, src=parent, group=group, tag=_RELAY_TAG)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(data, src=parent, group=group, tag=_RELAY_TAG)
+    children = []
+    step = 1 << me.bit_length()  # the children: me plus each higher power of two
+    while me + step < len(ranks):
+        children.append(ranks[me + step])
+        step <<= 1
+    for child in reversed(children):  # the largest subtree first
+        dist.send(
+            torch.tensor([len(data)], dtype=torch.int64), dst=child, group=group, tag=_RELAY_TAG
+        )
+        dist.send(data, dst=child, group=group, tag=_RELAY_TAG)
+    return value if me == 0 else json.loads(data.numpy().tobytes())
+
+
+_RELAY_TAG = 7  # apart from the untagged point-to-point messages of the gathers
+
+
 def first_error(error: str | None, group: Any = None) -> str | None:
     """The first rank's error of all ranks' (None: no rank failed). One small
     all-reduce when no rank failed; the messages travel only when one did."""

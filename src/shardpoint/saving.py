@@ -213,7 +213,7 @@ class SavePlan:
     storage: CheckpointStorage
     rank: int
     tree: Any  # this rank's non-tensor tree (rank 0 merges every rank's at the commit)
-    structures: list[dict[str, Any]]  # every rank's aliases and node, for the index
+    structures: list[dict[str, Any]]  # every rank's aliases, node and whether it leads it
     pieces: list[Piece]  # what this rank writes
     local: dict[str, torch.Tensor]  # name -> this rank's contiguous bytes of the entry
     tensors: int
@@ -457,7 +457,7 @@ class _JobPlan:
 
     own: str | None  # this rank's structure digest (None in one process: no reuse)
     job: str  # the digest of every rank's structure digest
-    structures: list[dict[str, Any]]  # every rank's aliases and node, for the index
+    structures: list[dict[str, Any]]  # every rank's aliases, node and whether it leads it
     pieces: list[Piece]  # every rank's share of the replicated chunks
     # On rank 0: every entry described by its sharding -> (dtype, global shape,
     # sharding), or why the ranks' descriptions disagree.
@@ -515,6 +515,7 @@ def _plan_job(
             "replicated": [h.to_json() for h in holdings if h.replicated],
             "aliases": aliases,
             "node": dist.node_rank(),
+            "leader": dist.is_node_leader(),
         },
         group,
     )
@@ -533,7 +534,9 @@ def _plan_job(
         ]
     else:
         pieces = plan_writes(sole_bytes, replicated)
-    structures = [{"aliases": g["aliases"], "node": g["node"]} for g in gathered]
+    structures = [
+        {"aliases": g["aliases"], "node": g["node"], "leader": g["leader"]} for g in gathered
+    ]
     lists = dist.gather_some_json(sharded, 0, group)
     table, conflict = _sharded_table(lists) if lists is not None else (None, None)
     return _JobPlan(digests[me], _digest(digests), structures, pieces, table, conflict, lists)
@@ -624,8 +627,11 @@ def _commit(
         files = sum(len(r.files) for r in results)
     else:
         written, files = sum(result.files.values()), len(result.files)
-    outcome, inputs = dist.broadcast_json([outcome, inputs], 0, plan.group)
+    outcome = dist.broadcast_json(outcome, 0, plan.group)
     if plan.per_node and outcome is None:
+        if plan.commit is not None:  # it commits its node's copy: it needs the inputs
+            leaders = [0, *(r for r, s in enumerate(plan.structures) if s["leader"] and r)]
+            inputs = dist.relay_json(inputs, leaders, plan.group)
         outcome = _commit_every_node(plan, inputs, own_index)
     if outcome:
         # Only the committing rank removes the directory: another rank's files may still
@@ -684,7 +690,7 @@ def _write_fragment(plan: SavePlan, result: WriteResult) -> WriteResult:
 
 
 def _commit_every_node(
-    plan: SavePlan, inputs: dict[str, Any], own_index: bytes | None
+    plan: SavePlan, inputs: dict[str, Any] | None, own_index: bytes | None
 ) -> str | None:
     """Node-local directories: each node's first rank builds its node's index from
     rank 0's ``inputs`` and commits its node's copy. Every copy names the checkpoint by
@@ -696,6 +702,7 @@ def _commit_every_node(
     if plan.commit is not None:
         try:
             if own_index is None:
+                assert inputs is not None  # relayed to every rank that commits
                 own_index = _node_index(plan, inputs)
             plan.commit.finish(own_index, inputs["first"])
         except Exception as exc:

@@ -96,27 +96,13 @@ def plan_shared_reads(
     rank 0 receives each *distinct* list once (under DDP all ranks need the same
     pieces: one list), plans, and each rank receives only its own part of the plan."""
     pieces: dict[tuple[str, Box], list[Region]] = {}
-    stored: dict[str, Any] = {}  # chunk key -> (entry, chunk)
-    wanted: list[list[Any]] = []  # [chunk key, lo, hi, bytes], in first-seen order
+    stored: dict[str, Any] = {}
+    wanted: list[list[Any]] = []
     if reads is not None:
-        for name, regions in reads.regions.items():
-            entry = reads.ckpt.index.entries[name]
-            for r in regions:
-                if r.tensor.device.type != "cpu":
-                    continue
-                top = tuple(o + n for o, n in zip(r.offsets, r.tensor.shape))
-                for chunk in reads.ckpt.chunks(entry, r.offsets, top):
-                    lo = tuple(max(a, c) for a, c in zip(r.offsets, chunk.offsets))
-                    hi = tuple(min(a, c + n) for a, c, n in zip(top, chunk.offsets, chunk.shape))
-                    if any(a >= b for a, b in zip(lo, hi)):
-                        continue  # no overlap (or empty: nothing to read)
-                    key = f"{name}|{list(chunk.offsets)}"
-                    if (key, (lo, hi)) not in pieces:
-                        pieces[key, (lo, hi)] = []
-                        nbytes = math.prod(b - a for a, b in zip(lo, hi)) * itemsize(entry.dtype)
-                        wanted.append([key, list(lo), list(hi), nbytes])
-                        stored[key] = (entry, chunk)
-                    pieces[key, (lo, hi)].append(r)
+        try:  # finding the chunks reads fragments: an error joins the agreement below
+            pieces, stored, wanted = _pieces(reads)
+        except Exception as exc:
+            error = exc
     digest = xxhash.xxh3_64_hexdigest(json.dumps(wanted).encode())
     facts = dist.all_gather_json(
         {"error": f"rank {dist.rank()}: {error}" if error else None, "digest": digest}, group
@@ -150,12 +136,16 @@ def plan_shared_reads(
                 source.sends.append((tag, rank, box))
                 continue
             regions = pieces[key, box]
-            inside = next((r for r in regions if _is_chunk(r, chunk)), None)
-            if inside is not None and source.rows is None and lo == blo and hi == bhi:
-                # This rank's region is the chunk and nobody needs more of it: it is
-                # read in place, as without sharing, and sent from there.
-                source.rows = reads.rows_in(entry, chunk, inside.tensor)
-                regions = [r for r in regions if r is not inside]
+            if source.rows is None and lo == blo and hi == bhi and _whole(chunk, box):
+                # Nobody needs more than the whole chunk, which lands whole in one of this
+                # rank's regions: where that is contiguous it is read in place, as without
+                # sharing, and sent from there.
+                for r in regions:
+                    into = _narrowed(r.tensor, box[0], r.offsets, chunk.shape)
+                    if into.is_contiguous():
+                        source.rows = reads.rows_in(entry, chunk, into)
+                        regions = [other for other in regions if other is not r]
+                        break
             reads.skip(regions, chunk)
             source.own.append((box, regions))
         if source.rows is None:
@@ -165,9 +155,50 @@ def plan_shared_reads(
     return plan
 
 
-def _is_chunk(region: Region, chunk: Any) -> bool:
-    t = region.tensor
-    return region.offsets == chunk.offsets and tuple(t.shape) == chunk.shape and t.is_contiguous()
+def _pieces(
+    reads: ReadPlan,
+) -> tuple[dict[tuple[str, Box], list[Region]], dict[str, Any], list[list[Any]]]:
+    """This rank's pieces: (chunk key, box) -> the CPU regions it fills; chunk key ->
+    (entry, chunk); and the list rank 0 plans from (``[chunk key, lo, hi, bytes]``, in
+    first-seen order)."""
+    pieces: dict[tuple[str, Box], list[Region]] = {}
+    stored: dict[str, Any] = {}
+    wanted: list[list[Any]] = []
+    for name, regions in reads.regions.items():
+        entry = reads.ckpt.index.entries[name]
+        size = itemsize(entry.dtype)
+        for r in regions:
+            if r.tensor.device.type != "cpu":
+                continue
+            top = tuple(o + n for o, n in zip(r.offsets, r.tensor.shape))
+            for chunk in reads.ckpt.chunks(entry, r.offsets, top):
+                lo = tuple(max(a, c) for a, c in zip(r.offsets, chunk.offsets))
+                hi = tuple(min(a, c + n) for a, c, n in zip(top, chunk.offsets, chunk.shape))
+                if any(a >= b for a, b in zip(lo, hi)):
+                    continue  # no overlap (or empty: nothing to read)
+                key = f"{name}|{list(chunk.offsets)}"
+                if (key, (lo, hi)) not in pieces:
+                    pieces[key, (lo, hi)] = []
+                    nbytes = math.prod(b - a for a, b in zip(lo, hi)) * size
+                    wanted.append([key, list(lo), list(hi), nbytes])
+                    stored[key] = (entry, chunk)
+                pieces[key, (lo, hi)].append(r)
+    return pieces, stored, wanted
+
+
+def _whole(chunk: Any, box: Box) -> bool:
+    lo, hi = box
+    return lo == chunk.offsets and hi == tuple(o + n for o, n in zip(lo, chunk.shape))
+
+
+def _narrowed(
+    tensor: torch.Tensor, lo: tuple[int, ...], offsets: tuple[int, ...], shape: tuple[int, ...]
+) -> torch.Tensor:
+    """The box at ``lo`` with ``shape`` (global coordinates) of ``tensor``, which starts
+    at ``offsets``."""
+    for dim, (a, o, n) in enumerate(zip(lo, offsets, shape)):
+        tensor = tensor.narrow(dim, a - o, n)
+    return tensor
 
 
 def assign_readers(distinct: dict[str, list[list[Any]]], digests: list[str]) -> list[list[Any]]:
@@ -178,7 +209,7 @@ def assign_readers(distinct: dict[str, list[list[Any]]], digests: list[str]) -> 
     Returns each rank's part: ``["read", chunk key, lo, hi, [[tag, rank, lo, hi], ...]]``
     where it reads (the rows of the box ``[lo, hi)`` bounding every piece, and the
     pieces to hand out, its own among them), ``["receive", tag, chunk key, lo, hi,
-    reader]`` where it receives. Tags number the transfers."""
+    reader]`` where it receives. A tag numbers the boxes one reader hands out."""
     ranks_of: dict[str, list[int]] = {}
     for rank, d in enumerate(digests):
         ranks_of.setdefault(d, []).append(rank)
@@ -199,8 +230,8 @@ def assign_readers(distinct: dict[str, list[list[Any]]], digests: list[str]) -> 
             else:
                 boxes.append([lo, hi, ranks])
     load = [0] * len(digests)
+    served = [0] * len(digests)  # boxes each reader hands out so far: its next tag
     parts: list[list[Any]] = [[] for _ in digests]
-    tag = 0
     for key, boxes in needs.items():  # in the order rank 0 met them: the same on a rerun
         nbytes = sizes[key]
         if len(boxes) == 1:
@@ -218,11 +249,14 @@ def assign_readers(distinct: dict[str, list[list[Any]]], digests: list[str]) -> 
         load[reader] += nbytes
         sends = []
         for blo, bhi, rs in boxes:
+            # A rank receives a box once: the reader's count of boxes tells its messages
+            # apart, and tags stay below the pieces one rank reads.
+            tag = served[reader]
+            served[reader] += 1
             for r in rs:
                 sends.append([tag, r, blo, bhi])
                 if r != reader:
                     parts[r].append(["receive", tag, key, blo, bhi, reader])
-                tag += 1
         parts[reader].append(["read", key, lo, hi, sends])
     return parts
 
@@ -250,8 +284,7 @@ def exchange(plan: SharedReads, undo: Undo, group: Any) -> None:
         for lo, regions, data in arrived:
             for region in regions:
                 for dest in (region.tensor, *region.copies):
-                    for dim, (a, o) in enumerate(zip(lo, region.offsets)):
-                        dest = dest.narrow(dim, a - o, data.shape[dim])
+                    dest = _narrowed(dest, lo, region.offsets, tuple(data.shape))
                     if region.live:
                         undo.save([dest])
                     dest.copy_(data)
