@@ -184,6 +184,39 @@ def test_a_fragment_one_rank_cannot_read_while_planning_fails_every_rank(saved, 
     assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
 
 
+class _Rejecting:
+    """A ``Stateful`` that refuses what it is given: the load fails after the exchange."""
+
+    def state_dict(self) -> dict:
+        return {"x": 1}
+
+    def load_state_dict(self, sd: dict) -> None:
+        raise ValueError("rejected (injected)")
+
+
+def _save_with_stateful(rank: int, world: int, path: str) -> None:
+    shardpoint.save({**_state(), "extra": _Rejecting()}, path)
+
+
+def _load_rejected(rank: int, world: int, path: str) -> None:
+    state = {**_state(offset=100.0), "extra": _Rejecting()}
+    tensors = {n: t for n, t in state.items() if isinstance(t, torch.Tensor)}
+    before = {
+        n: (t.full_tensor() if hasattr(t, "full_tensor") else t).clone() for n, t in tensors.items()
+    }
+    with pytest.raises(shardpoint.StateMismatchError, match="injected"):
+        shardpoint.load(state, path, share_reads=True)
+    for n, t in tensors.items():  # pieces received in place and through buffers alike
+        assert torch.equal(t.full_tensor() if hasattr(t, "full_tensor") else t, before[n]), n
+
+
+def test_a_load_that_fails_after_the_exchange_puts_every_received_piece_back(tmp_path):
+    path = tmp_path / "ckpt"
+    run_ranks(4, _save_with_stateful, str(path))
+    outcomes = run_ranks_outcomes(4, _load_rejected, str(path), errors=tmp_path / "errors")
+    assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
+
+
 def test_rank_0_plans_from_each_distinct_list_once_and_every_shared_chunk_has_one_reader():
     """DDP: 64 ranks need the same 100 chunks, sent once as one list; HSDP: two
     replica groups. Each shared chunk is read by exactly one of the ranks that need it,

@@ -377,6 +377,17 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "piece received in place without an undo copy",
+        "a failed load changes nothing (loads that share reads)",
+        "src/shardpoint/shared_reads.py",
+        "                undo.save([into])  # before its bytes start to change\n",
+        "                pass\n",
+        (
+            "tests/test_shared_reads.py::"
+            "test_a_load_that_fails_after_the_exchange_puts_every_received_piece_back",
+        ),
+    ),
+    Mutation(
         "reads not shared",
         "each stored byte read once (share_reads)",
         "src/shardpoint/shared_reads.py",

@@ -263,14 +263,22 @@ def assign_readers(distinct: dict[str, list[list[Any]]], digests: list[str]) -> 
 
 def exchange(plan: SharedReads, undo: Undo, group: Any) -> None:
     """Send the pieces this rank read to the ranks that need them and receive the
-    others, then put them in place (with an undo copy of live ones first)."""
+    others, then put them in place (with an undo copy of live ones first). A piece
+    whose place is contiguous is received straight into it; others go through a
+    buffer, so a rank holds extra memory only for the pieces that need one."""
     pending = []
     arrived: list[tuple[tuple[int, ...], list[Region], torch.Tensor]] = []
     for tag, reader, (lo, hi), regions in plan.receives:
         shape = tuple(b - a for a, b in zip(lo, hi))
-        buffer = torch.empty(shape, dtype=regions[0].tensor.dtype)
-        pending.append(dist.irecv_bytes(flat_bytes(buffer), reader, tag, group))
-        arrived.append((lo, regions, buffer))
+        first = regions[0]
+        into = _narrowed(first.tensor, lo, first.offsets, shape)
+        if into.is_contiguous():
+            if first.live:
+                undo.save([into])  # before its bytes start to change
+        else:
+            into = torch.empty(shape, dtype=first.tensor.dtype)
+        pending.append(dist.irecv_bytes(flat_bytes(into), reader, tag, group))
+        arrived.append((lo, regions, into))
     sent = []  # alive until sent
     for source in plan.sources:
         for tag, rank, box in source.sends:
@@ -285,9 +293,15 @@ def exchange(plan: SharedReads, undo: Undo, group: Any) -> None:
             for region in regions:
                 for dest in (region.tensor, *region.copies):
                     dest = _narrowed(dest, lo, region.offsets, tuple(data.shape))
+                    if _same_view(dest, data):
+                        continue  # received in place
                     if region.live:
                         undo.save([dest])
                     dest.copy_(data)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 def _piece(source: _Source, box: Box) -> torch.Tensor:
