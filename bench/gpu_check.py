@@ -20,6 +20,10 @@ Checks (each one is independent: one that raises is recorded and the rest still 
                   persists); fresh models loaded from each take one more step with a loss
                   and parameters bit-identical to the original model's.
 
+  shared_reads    2 ranks (gloo) save the same state (DDP-like), then load it into CUDA
+                  tensors with ``share_reads=True``: bit-exact on both, and each stored
+                  byte read from storage once (pieces reach the GPU through host buffers).
+
 Prints a table and writes JSON to ``--out`` (after every check, so a timeout keeps what
 finished). Exit status: 0 every check passed, 1 a check failed, 2 no CUDA device,
 3 shardpoint could not be imported, 4 the ``--timeout`` watchdog fired.
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import math
 import os
 import platform
 import shutil
@@ -598,6 +603,73 @@ def check_fsdp2_resume(args: argparse.Namespace, root: Path) -> Figures:
     return _result(fig, problems)
 
 
+# ---- check 6: shared reads into GPU tensors, 2 ranks ------------------------------------
+
+SHARED_TENSORS, SHARED_SHAPE = 8, (512, 1024)  # 2 MB of fp32 each
+
+
+def _shared_reads_rank(rank: int, world: int, port: int, path: str, device: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from shardpoint.storage.local import LocalDirectory
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    g = torch.Generator().manual_seed(7)
+    state = {f"w{i}": torch.randn(SHARED_SHAPE, generator=g) for i in range(SHARED_TENSORS)}
+    shardpoint.save(state, path)  # the same on every rank: each writes a share
+    read = [0]
+    real = LocalDirectory.read_ranges
+
+    def counting(self: Any, requests: Any, **kwargs: Any) -> Any:
+        read[0] += sum(s.end - s.offset for ss in requests.values() for s in ss)
+        return real(self, requests, **kwargs)
+
+    LocalDirectory.read_ranges = counting  # type: ignore[method-assign]
+    dest = {k: torch.zeros_like(v, device=device) for k, v in state.items()}
+    dist.barrier()
+    start = time.perf_counter()
+    shardpoint.load(dest, path, share_reads=True)
+    seconds = time.perf_counter() - start
+    ok = all(same_bits(dest[k].cpu(), v) for k, v in state.items())
+    Path(out, f"rank{rank}.json").write_text(json.dumps([read[0], ok, seconds]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check_shared_reads(args: argparse.Namespace, root: Path) -> Figures:
+    import torch.multiprocessing as mp
+
+    out = root / "shared-out"
+    out.mkdir()
+    path = root / "shared"
+    ranks = 2
+    mp.start_processes(
+        _shared_reads_rank,
+        args=(ranks, _free_port(), str(path), args.device, str(out)),
+        nprocs=ranks,
+        start_method="spawn",
+    )
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    stored = SHARED_TENSORS * math.prod(SHARED_SHAPE) * 4
+    read = sum(r[0] for r in results)
+    fig: Figures = {
+        "ranks": ranks,
+        "stored_bytes": stored,
+        "read_from_storage_bytes": read,
+        "read_per_stored_byte": read / stored,
+        "load_s": max(r[2] for r in results),
+    }
+    problems = []
+    if not all(r[1] for r in results):
+        problems.append(f"values differ on ranks {[i for i, r in enumerate(results) if not r[1]]}")
+    if read != stored:
+        problems.append(f"read {read} bytes from storage for {stored} stored (want each once)")
+    shutil.rmtree(path)
+    return _result(fig, problems)
+
+
 # ---- running, reporting ---------------------------------------------------------------
 
 
@@ -692,7 +764,14 @@ def start_watchdog(seconds: float, out: Path, root: Path) -> threading.Timer:
     return timer
 
 
-CHECKS = ("pinned_async", "sync_roundtrip", "cuda_rng", "pg_save_load", "fsdp2_resume")
+CHECKS = (
+    "pinned_async",
+    "sync_roundtrip",
+    "cuda_rng",
+    "pg_save_load",
+    "fsdp2_resume",
+    "shared_reads",
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -764,6 +843,7 @@ def main(argv: list[str] | None = None) -> int:
             ("pinned_async", check_pinned_async),
             ("sync_roundtrip", check_sync_roundtrip),
             ("cuda_rng", check_rng),
+            ("shared_reads", check_shared_reads),  # processes of its own
         ]
         for name, fn in plain:
             if name in wanted:

@@ -14,8 +14,9 @@ to its rank over ``torch.distributed`` after every rank reported its reads verif
 small all-reduce). Every rank must call ``load`` with it, so it is opt-in;
 ``CheckpointManager.restore`` uses it when bytes may come from the object store.
 
-Only CPU destinations are shared (the exchange runs on the CPU group); others are read
-by each rank as before.
+The exchange runs on the CPU (gloo) group: a piece for a GPU destination arrives in a
+host buffer and is copied in, after every rank's reads verified, like any read for a
+GPU destination.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def plan_shared_reads(
                 # sharing, and sent from there.
                 for r in regions:
                     into = _narrowed(r.tensor, box[0], r.offsets, chunk.shape)
-                    if into.is_contiguous():
+                    if into.device.type == "cpu" and into.is_contiguous():
                         source.rows = reads.rows_in(entry, chunk, into)
                         regions = [other for other in regions if other is not r]
                         break
@@ -158,7 +159,7 @@ def plan_shared_reads(
 def _pieces(
     reads: ReadPlan,
 ) -> tuple[dict[tuple[str, Box], list[Region]], dict[str, Any], list[list[Any]]]:
-    """This rank's pieces: (chunk key, box) -> the CPU regions it fills; chunk key ->
+    """This rank's pieces: (chunk key, box) -> the regions it fills; chunk key ->
     (entry, chunk); and the list rank 0 plans from (``[chunk key, lo, hi, bytes]``, in
     first-seen order)."""
     pieces: dict[tuple[str, Box], list[Region]] = {}
@@ -168,8 +169,6 @@ def _pieces(
         entry = reads.ckpt.index.entries[name]
         size = itemsize(entry.dtype)
         for r in regions:
-            if r.tensor.device.type != "cpu":
-                continue
             top = tuple(o + n for o, n in zip(r.offsets, r.tensor.shape))
             for chunk in reads.ckpt.chunks(entry, r.offsets, top):
                 lo = tuple(max(a, c) for a, c in zip(r.offsets, chunk.offsets))
@@ -264,15 +263,16 @@ def assign_readers(distinct: dict[str, list[list[Any]]], digests: list[str]) -> 
 def exchange(plan: SharedReads, undo: Undo, group: Any) -> None:
     """Send the pieces this rank read to the ranks that need them and receive the
     others, then put them in place (with an undo copy of live ones first). A piece
-    whose place is contiguous is received straight into it; others go through a
-    buffer, so a rank holds extra memory only for the pieces that need one."""
+    whose place is contiguous CPU memory is received straight into it; others (column
+    slices, GPU destinations) go through a host buffer, so a rank holds extra memory
+    only for the pieces that need one."""
     pending = []
     arrived: list[tuple[tuple[int, ...], list[Region], torch.Tensor]] = []
     for tag, reader, (lo, hi), regions in plan.receives:
         shape = tuple(b - a for a, b in zip(lo, hi))
         first = regions[0]
         into = _narrowed(first.tensor, lo, first.offsets, shape)
-        if into.is_contiguous():
+        if into.device.type == "cpu" and into.is_contiguous():
             if first.live:
                 undo.save([into])  # before its bytes start to change
         else:
@@ -301,7 +301,12 @@ def exchange(plan: SharedReads, undo: Undo, group: Any) -> None:
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    return (
+        a.device == b.device
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
 
 
 def _piece(source: _Source, box: Box) -> torch.Tensor:
