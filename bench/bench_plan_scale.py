@@ -276,11 +276,12 @@ def shared_reads_case(ranks: int, regions: int, replicas: int) -> dict[str, floa
         start = time.perf_counter()
         parts = assign_readers(lists, digests)
         plan_s = time.perf_counter() - start
-    facts = ranks * len(json.dumps({"error": None, "digest": "0123456789abcdef"}))
+    facts = ranks * len(json.dumps({"error": None, "digest": "0123456789abcdef"}))  # to rank 0
+    ask = len(json.dumps([None, True]))  # rank 0's answer: the first error, send your list?
     return {
         "before_bytes_per_rank": ranks * list_bytes,
         "after_rank0_bytes": groups * list_bytes + facts,
-        "after_bytes_per_rank": facts + max(len(json.dumps(p)) for p in parts[:replicas]),
+        "after_bytes_per_rank": ask + max(len(json.dumps(p)) for p in parts[:replicas]),
         "rank0_plan_s": plan_s,
     }
 

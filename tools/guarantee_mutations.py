@@ -388,6 +388,24 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "shared-load facts all-gathered",
+        "what a rank receives does not grow with the ranks (loads that share reads)",
+        "src/shardpoint/shared_reads.py",
+        "    facts = dist.gather_json(\n"
+        '        {"error": f"rank {dist.rank()}: {error}" if error else None,'
+        ' "digest": digest}, 0, group\n'
+        "    )\n",
+        "    facts = dist.all_gather_json(\n"
+        '        {"error": f"rank {dist.rank()}: {error}" if error else None,'
+        ' "digest": digest}, group\n'
+        "    )\n"
+        "    facts = facts if dist.rank() == 0 else None\n",
+        (
+            "tests/test_shared_reads.py::"
+            "test_planning_a_shared_load_sends_no_rank_every_ranks_facts",
+        ),
+    ),
+    Mutation(
         "reads not shared",
         "each stored byte read once (share_reads)",
         "src/shardpoint/shared_reads.py",

@@ -92,10 +92,11 @@ def plan_shared_reads(
     take the pieces other ranks read for this one out of ``reads``. Raises on every
     rank if any rank failed to prepare its load (``error``, and no ``reads``).
 
-    What crosses the wire does not grow with ranks × tensors when ranks repeat each
-    other's needs: every rank sends a digest of its piece list (one small all-gather),
-    rank 0 receives each *distinct* list once (under DDP all ranks need the same
-    pieces: one list), plans, and each rank receives only its own part of the plan."""
+    What a rank other than rank 0 receives does not grow with the ranks: every rank
+    sends rank 0 a digest of its piece list and any error; rank 0 tells each rank the
+    first error and whether it speaks for its list, receives each *distinct* list once
+    (under DDP all ranks need the same pieces: one list), plans, and each rank
+    receives only its own part of the plan."""
     pieces: dict[tuple[str, Box], list[Region]] = {}
     stored: dict[str, Any] = {}
     wanted: list[list[Any]] = []
@@ -105,15 +106,23 @@ def plan_shared_reads(
         except Exception as exc:
             error = exc
     digest = xxhash.xxh3_64_hexdigest(json.dumps(wanted).encode())
-    facts = dist.all_gather_json(
-        {"error": f"rank {dist.rank()}: {error}" if error else None, "digest": digest}, group
+    facts = dist.gather_json(
+        {"error": f"rank {dist.rank()}: {error}" if error else None, "digest": digest}, 0, group
     )
-    _raise_if_failed(error, [f["error"] for f in facts], where)
-    digests = [f["digest"] for f in facts]
-    first = digests.index(digest) == dist.rank()  # this rank speaks for its list
-    lists = dist.gather_some_json(wanted if first else None, 0, group)
+    asks = digests = None
+    if facts is not None:  # rank 0: the first error, and who speaks for each distinct list
+        failed = next((f["error"] for f in facts if f["error"]), None)
+        digests = [f["digest"] for f in facts]
+        speaker: dict[str, int] = {}
+        for r, d in enumerate(digests):
+            speaker.setdefault(d, r)
+        asks = [[failed, speaker[d] == r] for r, d in enumerate(digests)]
+    failed, speaks = dist.scatter_json(asks, 0, group)
+    _raise_if_failed(error, [failed], where)
+    lists = dist.gather_some_json(wanted if speaks else None, 0, group)
     parts = None
     if lists is not None:
+        assert digests is not None
         distinct = {digests[r]: lst for r, lst in enumerate(lists) if lst is not None}
         parts = assign_readers(distinct, digests)
     part = dist.scatter_json(parts, 0, group)
