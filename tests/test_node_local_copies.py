@@ -365,3 +365,24 @@ def test_the_relay_reaches_every_listed_rank_once_and_no_other(tmp_path):
             assert len(receives) == (0 if rank == 0 else 2), (rank, log)  # size, then bytes
         else:
             assert value is None and log == [], (rank, log)
+
+
+def test_the_relay_tree_reaches_every_rank_once_within_ceil_log2_rounds():
+    """Each position receives once, from a position that already has the value, and
+    with every rank sending one message per round, in order, the last one has it after
+    ceil(log2(n)) rounds (a tree that sent to its smallest subtree first would take up
+    to m(m+1)/2)."""
+    import math
+
+    from shardpoint.dist import relay_tree
+
+    for n in range(2, 130):
+        has = {0: 0}  # position -> the round it had the value by
+        for me in range(n):  # parents come before their children
+            parent, children = relay_tree(me, n)
+            assert (parent is None) == (me == 0)
+            for k, child in enumerate(children, start=1):
+                assert child not in has and relay_tree(child, n)[0] == me
+                has[child] = has[me] + k
+        assert sorted(has) == list(range(n)), n
+        assert max(has.values()) == math.ceil(math.log2(n)), (n, has)

@@ -194,12 +194,22 @@ class _Rejecting:
         raise ValueError("rejected (injected)")
 
 
+def _cut(placement: str, offset: float = 0.0):
+    """A tensor saved as row shards and loaded as column shards: its pieces are column
+    slices of the stored chunks, received through buffers."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (4,))
+    return distribute_tensor(_full("cut", (16, 12)) + offset, mesh, [Shard(int(placement))])
+
+
 def _save_with_stateful(rank: int, world: int, path: str) -> None:
-    shardpoint.save({**_state(), "extra": _Rejecting()}, path)
+    shardpoint.save({**_state(), "cut": _cut("0"), "extra": _Rejecting()}, path)
 
 
 def _load_rejected(rank: int, world: int, path: str) -> None:
-    state = {**_state(offset=100.0), "extra": _Rejecting()}
+    state = {**_state(offset=100.0), "cut": _cut("1", 100.0), "extra": _Rejecting()}
     tensors = {n: t for n, t in state.items() if isinstance(t, torch.Tensor)}
     before = {
         n: (t.full_tensor() if hasattr(t, "full_tensor") else t).clone() for n, t in tensors.items()

@@ -406,6 +406,28 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "buffered piece without an undo copy",
+        "a failed load changes nothing (loads that share reads)",
+        "src/shardpoint/shared_reads.py",
+        "                    if region.live:\n                        undo.save([dest])\n",
+        "                    pass\n",
+        (
+            "tests/test_shared_reads.py::"
+            "test_a_load_that_fails_after_the_exchange_puts_every_received_piece_back",
+        ),
+    ),
+    Mutation(
+        "relay to the smallest subtree first",
+        "what a rank receives per save does not grow with the ranks (node-local copies)",
+        "src/shardpoint/dist.py",
+        "    return parent, children\n",
+        "    return parent, children[::-1]\n",
+        (
+            "tests/test_node_local_copies.py::"
+            "test_the_relay_tree_reaches_every_rank_once_within_ceil_log2_rounds",
+        ),
+    ),
+    Mutation(
         "reads not shared",
         "each stored byte read once (share_reads)",
         "src/shardpoint/shared_reads.py",

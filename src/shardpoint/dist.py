@@ -200,31 +200,41 @@ def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
 def relay_json(value: Any, ranks: list[int], group: Any = None) -> Any:
     """``value`` from ``ranks[0]`` on every rank of ``ranks`` (only they call this), along
     a binomial tree: each receives it once, point to point, and passes it on to at most
-    log2(len(ranks)) others, the farthest first. Ranks outside the list receive nothing:
-    a node's first rank gets what its node's index needs, the node's other ranks do not."""
+    ceil(log2(len(ranks))) others, the nearest (the head of the largest subtree) first,
+    so every rank has it after ceil(log2(len(ranks))) rounds of sends. Ranks outside the
+    list receive nothing: a node's first rank gets what its node's index needs, the
+    node's other ranks do not."""
     if not is_distributed():
         return value
     group = _cpu_group() if group is None else group
     me = ranks.index(rank())
-    if me == 0:
+    parent, children = relay_tree(me, len(ranks))
+    if parent is None:
         data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
     else:
-        parent = ranks[me - (1 << (me.bit_length() - 1))]  # me without its highest bit
         size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, src=parent, group=group, tag=_RELAY_TAG)
+        dist.recv(size, src=ranks[parent], group=group, tag=_RELAY_TAG)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.recv(data, src=parent, group=group, tag=_RELAY_TAG)
+        dist.recv(data, src=ranks[parent], group=group, tag=_RELAY_TAG)
+    for child in children:
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.send(size, dst=ranks[child], group=group, tag=_RELAY_TAG)
+        dist.send(data, dst=ranks[child], group=group, tag=_RELAY_TAG)
+    return value if parent is None else json.loads(data.numpy().tobytes())
+
+
+def relay_tree(me: int, n: int) -> tuple[int | None, list[int]]:
+    """Position ``me`` of ``n`` in the relay's binomial tree: the position it receives
+    from (``me`` without its highest bit; None for the root) and those it sends to, in
+    order (``me`` plus each higher power of two: the nearest heads the largest subtree,
+    so it goes first)."""
+    parent = me - (1 << (me.bit_length() - 1)) if me else None
     children = []
-    step = 1 << me.bit_length()  # the children: me plus each higher power of two
-    while me + step < len(ranks):
-        children.append(ranks[me + step])
+    step = 1 << me.bit_length()
+    while me + step < n:
+        children.append(me + step)
         step <<= 1
-    for child in reversed(children):  # the largest subtree first
-        dist.send(
-            torch.tensor([len(data)], dtype=torch.int64), dst=child, group=group, tag=_RELAY_TAG
-        )
-        dist.send(data, dst=child, group=group, tag=_RELAY_TAG)
-    return value if me == 0 else json.loads(data.numpy().tobytes())
+    return parent, children
 
 
 _RELAY_TAG = 7  # apart from the untagged point-to-point messages of the gathers

@@ -286,14 +286,14 @@ def exchange(plan: SharedReads, undo: Undo, group: Any) -> None:
                 undo.save([into])  # before its bytes start to change
         else:
             into = torch.empty(shape, dtype=first.tensor.dtype)
-        pending.append(dist.irecv_bytes(flat_bytes(into), reader, tag, group))
+        pending.append(dist.irecv_bytes(flat_bytes(into), reader, _TAGS + tag, group))
         arrived.append((lo, regions, into))
     sent = []  # alive until sent
     for source in plan.sources:
         for tag, rank, box in source.sends:
             data = flat_bytes(_piece(source, box).contiguous())
             sent.append(data)
-            pending.append(dist.isend_bytes(data, rank, tag, group))
+            pending.append(dist.isend_bytes(data, rank, _TAGS + tag, group))
         arrived.extend((box[0], regions, _piece(source, box)) for box, regions in source.own)
     for work in pending:
         work.wait()
@@ -307,6 +307,11 @@ def exchange(plan: SharedReads, undo: Undo, group: Any) -> None:
                     if region.live:
                         undo.save([dest])
                     dest.copy_(data)
+
+
+# The exchange's tags start here: apart from the untagged (0) messages of the gathers
+# and the save's relay, should an exchange that failed leave a receive posted.
+_TAGS = 1 << 16
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
