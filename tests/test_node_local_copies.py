@@ -120,9 +120,21 @@ def _manager(rank: int, root: str, remote: str) -> CheckpointManager:
 
 
 def _save_and_upload(rank: int, world: int, root: str, remote: str, env: dict) -> None:
+    import threading
+
+    from shardpoint import dist as sp_dist
+
     os.environ.update(env)
     _as_node(rank)
     manager = _manager(rank, root, remote)
+    # What the upload rounds (on their own thread) exchange must not grow with the ranks.
+    real = sp_dist.all_gather_json
+
+    def no_all_gather_on_the_upload_thread(*args, **kwargs):
+        assert threading.current_thread().name != "shardpoint-upload", "an upload all-gather"
+        return real(*args, **kwargs)
+
+    sp_dist.all_gather_json = no_all_gather_on_the_upload_thread
     assert manager.save(1, _state(rank)) is not None
     assert manager.wait_for_uploads(timeout=300), f"rank {rank}: upload still running"
     manager.close()

@@ -428,6 +428,18 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "upload proposals all-gathered",
+        "what a rank receives per save does not grow with the ranks (uploads)",
+        "src/shardpoint/training/tiers.py",
+        "        step = dist.max_of([-1 if newest is None else newest], self.group)[0]\n",
+        "        offered = [p for p in dist.all_gather_json(newest, self.group) if p is not None]\n"
+        "        step = max(offered, default=-1)\n",
+        (
+            "tests/test_node_local_copies.py::"
+            "test_each_node_holds_and_indexes_its_own_copy_and_restores_from_it_alone",
+        ),
+    ),
+    Mutation(
         "reads not shared",
         "each stored byte read once (share_reads)",
         "src/shardpoint/shared_reads.py",

@@ -175,11 +175,10 @@ class Uploader:
         if newest is None:  # started, not yet told of a step: offer the newest local one
             steps = _try(self.local.steps)
             newest = steps[-1] if isinstance(steps, list) and steps else None
-        proposals = dist.all_gather_json(newest, self.group)
-        offered = [p for p in proposals if p is not None]
-        if not offered:
+        # The newest step any rank offers: one all-reduce of one integer, whatever the ranks.
+        step = dist.max_of([-1 if newest is None else newest], self.group)[0]
+        if step < 0:
             return
-        step = max(offered)
         self.busy_step = step
         try:
             self._upload(step)
