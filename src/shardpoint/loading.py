@@ -15,7 +15,6 @@ on a GPU need no undo copy: they are written only after every read is verified.
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,7 +33,7 @@ from .saving import DEFAULT_THREADS
 from .shared_reads import agree, exchange, join_failed, plan_shared_reads
 from .storage.io_types import Segment
 from .tensor_kinds import local_part
-from .tensor_memory import flat_bytes, plain
+from .tensor_memory import flat_bytes, plain, same_memory
 from .tree import LoadMatch, match
 
 
@@ -244,7 +243,7 @@ class ReadPlan:
         regions = self.regions.setdefault(entry.name, [])
         for r in regions:
             if r.offsets == offsets and tuple(r.tensor.shape) == tuple(part.shape):
-                if not _same_memory(r.tensor, part):
+                if not same_memory(r.tensor, part):
                     r.copies.append(part)
                     r.live = r.live or live
                 return
@@ -477,13 +476,3 @@ def _verify_blocks(ckpt: CommittedCheckpoint, p: _Pending, segment: Segment) -> 
                 f"{ckpt.storage.location(p.chunk.file)}: checksum mismatch in {p.entry.name!r} "
                 f"(bytes {lo}-{hi}); the file is corrupt, load an earlier checkpoint"
             )
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.device == b.device
-        and a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and math.prod(a.shape) > 0
-    )

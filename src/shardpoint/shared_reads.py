@@ -32,7 +32,7 @@ import xxhash
 from . import dist
 from .errors import CheckpointError
 from .format.safetensors import itemsize
-from .tensor_memory import flat_bytes
+from .tensor_memory import flat_bytes, same_memory
 
 # The read plan, its regions, the rows read for others and the undo copy are
 # loading.py's (ReadPlan, Region, ChunkRows, Undo); typed Any here so that this module
@@ -302,7 +302,7 @@ def exchange(plan: SharedReads, undo: Undo, group: Any) -> None:
             for region in regions:
                 for dest in (region.tensor, *region.copies):
                     dest = _narrowed(dest, lo, region.offsets, tuple(data.shape))
-                    if _same_view(dest, data):
+                    if same_memory(dest, data):
                         continue  # received in place
                     if region.live:
                         undo.save([dest])
@@ -312,15 +312,6 @@ def exchange(plan: SharedReads, undo: Undo, group: Any) -> None:
 # The exchange's tags start here: apart from the untagged (0) messages of the gathers
 # and the save's relay, should an exchange that failed leave a receive posted.
 _TAGS = 1 << 16
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.device == b.device
-        and a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-    )
 
 
 def _piece(source: _Source, box: Box) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -25,3 +27,14 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.view(torch.uint8)
     # reshape(-1) first: a 0-d tensor cannot be viewed as another dtype directly.
     return tensor.reshape(-1).view(torch.uint8)
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same non-empty view of the same memory."""
+    return (
+        a.device == b.device
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and math.prod(a.shape) > 0
+    )
