@@ -189,8 +189,9 @@ class _Pending:
 
 @dataclass(slots=True)
 class ChunkRows:
-    """Rows ``[a, b)`` of a stored chunk read once for several ranks (shared reads);
-    ``tensor`` holds chunk rows ``first, first + 1, ...`` once the reads ran."""
+    """Rows ``[a, b)`` of a stored chunk, read into a tensor of their own (a region
+    needs only some rows, or several ranks need them: shared reads); ``tensor`` holds
+    chunk rows ``first, first + 1, ...`` once planned."""
 
     entry: TensorEntry
     chunk: Chunk
@@ -200,6 +201,7 @@ class ChunkRows:
     first: int = 0
 
     def plan(self, verify: bool) -> tuple[Segment, _Pending]:
+        """The read of these rows into a new tensor, and the checksum blocks it covers."""
         chunk, a, b = self.chunk, self.a, self.b
         first = last = 0
         if verify:  # whole checksum blocks
@@ -388,19 +390,14 @@ class ReadPlan:
                 entry, chunk, 0, blocks, (dst, tmp), live
             )
         # Rows [a, b) of the chunk are needed; verified reads take whole checksum blocks.
-        a, b = box[0][0] - chunk.offsets[0], box[0][1] - chunk.offsets[0]
-        if verify:
-            first, last = a // chunk.block_rows, -(-b // chunk.block_rows)
-            a, b = first * chunk.block_rows, min(last * chunk.block_rows, chunk.rows)
-        else:
-            first, last = 0, 0
-        tmp = torch.empty((b - a, *chunk.shape[1:]), dtype=DTYPES[entry.dtype])
-        src, dst = tmp, t
+        rows = ChunkRows(entry, chunk, box[0][0] - chunk.offsets[0], box[0][1] - chunk.offsets[0])
+        segment, p = rows.plan(verify)
+        src, dst = rows.tensor, t
         for dim, ((lo, hi), co, ro) in enumerate(zip(box, chunk.offsets, region.offsets)):
-            src = src.narrow(dim, lo - co - (a if dim == 0 else 0), hi - lo)
+            src = src.narrow(dim, lo - co - (rows.first if dim == 0 else 0), hi - lo)
             dst = dst.narrow(dim, lo - ro, hi - lo)
-        segment = Segment(chunk.begin + a * chunk.row_bytes, flat_bytes(tmp))
-        return segment, _Pending(entry, chunk, first, last - first, (dst, src), live)
+        p.copy, p.live = (dst, src), live
+        return segment, p
 
 
 # Reads go in batches of this many bytes, each one's undo copy taken while the batch
