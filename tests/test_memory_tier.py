@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import count_received
 
 import shardpoint
 from shardpoint import CheckpointError, CheckpointManager, MemoryTierOptions, SavePolicy
@@ -79,9 +80,16 @@ def _restore(rank: int, world: int, root: str, expect_from_buddy: list[int]) -> 
         return real(self, requests, **kwargs)
 
     LocalDirectory.read_ranges = counting
+    log: list[tuple[str, int]] = []
+    count_received(log)
     manager = _manager(root)
     state = _template(rank, mesh)
     assert manager.restore(state) == 5
+    # Rank 0 gathers the holdings and sends each rank its part of the plan: nothing
+    # every rank receives grows with the ranks (no all-gather), only rank 0's share.
+    assert "all_gather" not in [name for name, _ in log], log
+    if rank:
+        assert sum(n for _, n in log) < 1000, log
     expected = _state(rank, 5, mesh)
     assert torch.equal(state["sharded"].to_local(), expected["sharded"].to_local())
     assert torch.equal(state["replicated"], expected["replicated"])
@@ -92,6 +100,7 @@ def _restore(rank: int, world: int, root: str, expect_from_buddy: list[int]) -> 
 
 
 def test_a_replaced_node_restores_from_buddies_and_a_restart_from_its_own_memory(tmp_path):
+    """...and no rank but rank 0 receives every rank's holdings to agree on the step."""
     from distributed import run_ranks
 
     root = str(tmp_path)

@@ -398,3 +398,29 @@ def test_the_relay_tree_reaches_every_rank_once_within_ceil_log2_rounds():
                 has[child] = has[me] + k
         assert sorted(has) == list(range(n)), n
         assert max(has.values()) == math.ceil(math.log2(n)), (n, has)
+
+
+def _detect_directories(rank: int, world: int, root: str) -> None:
+    from shardpoint.storage.local import LocalDirectory
+    from shardpoint.training.manager import _directory_per_node
+
+    _as_node(rank)
+    log: list[tuple[str, int]] = []
+    count_received(log)
+    own = _directory_per_node(LocalDirectory(_node_dir(root, rank // RANKS_PER_NODE)))
+    shared = _directory_per_node(LocalDirectory(Path(root) / "shared"))
+    Path(root, f"detect{rank}.json").write_text(json.dumps([own, shared, log]))
+
+
+def test_node_local_directories_are_told_from_a_shared_one_by_probes_alone(tmp_path):
+    """Each node's first rank leaves a probe; only rank 0 receives every rank's facts
+    (no all-gather), and no probe is left behind."""
+    for d in ("node0", "node1", "shared"):
+        (tmp_path / d).mkdir()
+    run_ranks(WORLD, _detect_directories, str(tmp_path))
+    for rank in range(WORLD):
+        own, shared, log = json.loads((tmp_path / f"detect{rank}.json").read_text())
+        assert (own, shared) == (True, False), rank
+        assert "all_gather" not in [name for name, _ in log], (rank, log)
+    for d in ("node0", "node1", "shared"):
+        assert list((tmp_path / d).iterdir()) == [], d

@@ -440,6 +440,53 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "every error all-gathered",
+        "what a rank receives does not grow with the ranks (errors)",
+        "src/shardpoint/dist.py",
+        '    return broadcast_json(error, world - top, group) or "(no message)"\n',
+        "    errors = [e for e in all_gather_json(error, group) if e is not None]\n"
+        '    return errors[0] or "(no message)"\n',
+        (
+            "tests/test_coordination.py::"
+            "test_first_error_gives_every_rank_the_lowest_failing_ranks_message_and_no_other",
+        ),
+    ),
+    Mutation(
+        "memory holdings all-gathered",
+        "what a rank receives does not grow with the ranks (memory-tier restore)",
+        "src/shardpoint/training/memory_tier.py",
+        "        holdings = dist.gather_json(self._holdings(), 0, self.group)\n",
+        "        holdings = dist.all_gather_json(self._holdings(), self.group)\n",
+        (
+            "tests/test_memory_tier.py::"
+            "test_a_replaced_node_restores_from_buddies_and_a_restart_from_its_own_memory",
+        ),
+    ),
+    Mutation(
+        "local steps all-gathered",
+        "what a rank receives does not grow with the ranks (restore)",
+        "src/shardpoint/training/manager.py",
+        "        every_rank = dist.gather_json(sorted(local))"
+        "  # on rank 0, which sends the union\n",
+        "        every_rank = dist.all_gather_json(sorted(local))\n",
+        (
+            "tests/test_memory_tier.py::"
+            "test_a_replaced_node_restores_from_buddies_and_a_restart_from_its_own_memory",
+        ),
+    ),
+    Mutation(
+        "probe verdicts all-gathered",
+        "what a rank receives does not grow with the ranks (directory detection)",
+        "src/shardpoint/training/manager.py",
+        "    separate = bool(dist.max_of([int(blind)])[0])"
+        "  # also: all have looked before any probe goes\n",
+        "    separate = any(dist.all_gather_json(blind))\n",
+        (
+            "tests/test_node_local_copies.py::"
+            "test_node_local_directories_are_told_from_a_shared_one_by_probes_alone",
+        ),
+    ),
+    Mutation(
         "reads not shared",
         "each stored byte read once (share_reads)",
         "src/shardpoint/shared_reads.py",

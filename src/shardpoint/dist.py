@@ -90,6 +90,15 @@ def background_group() -> Any:
     return _BACKGROUND_GROUP
 
 
+def _encoded(value: Any) -> torch.Tensor:
+    """``value`` as JSON bytes in a uint8 tensor (what every helper here sends)."""
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+
+
+def _decoded(data: torch.Tensor) -> Any:
+    return json.loads(data.numpy().tobytes())
+
+
 def all_gather_json(value: Any, group: Any = None) -> list[Any]:
     """Every rank's ``value`` (JSON-serialisable), in rank order. Every rank receives
     every rank's payload (padded to the longest): for small values, or where each rank
@@ -98,14 +107,14 @@ def all_gather_json(value: Any, group: Any = None) -> list[Any]:
     if not is_distributed():
         return [value]
     group = _cpu_group() if group is None else group
-    payload = json.dumps(value).encode()
+    payload = _encoded(value)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size())]
     dist.all_gather(sizes, torch.tensor([len(payload)]), group=group)
     padded = torch.zeros(int(max(s.item() for s in sizes)), dtype=torch.uint8)
-    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    padded[: len(payload)] = payload
     out = [torch.empty_like(padded) for _ in range(world_size())]
     dist.all_gather(out, padded, group=group)
-    return [json.loads(o[: int(n.item())].numpy().tobytes()) for o, n in zip(out, sizes)]
+    return [_decoded(o[: int(n.item())]) for o, n in zip(out, sizes)]
 
 
 def _gather_bytes(payload: bytes, dst: int, group: Any) -> list[bytes] | None:
@@ -165,18 +174,17 @@ def scatter_json(values: list[Any] | None, src: int = 0, group: Any = None) -> A
     size = torch.zeros(1, dtype=torch.int64)
     if me == src:
         assert values is not None
-        payloads = [json.dumps(v).encode() for v in values]
+        payloads = [_encoded(v) for v in values]
         sizes = [torch.tensor([len(p)]) for p in payloads]
         dist.scatter(size, sizes, src=src, group=group)
         for r, payload in enumerate(payloads):
             if r != me:
-                data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                dist.send(data, dst=r, group=group)
+                dist.send(payload, dst=r, group=group)
         return values[me]
     dist.scatter(size, None, src=src, group=group)
     buffer = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(buffer, src=src, group=group)
-    return json.loads(buffer.numpy().tobytes())
+    return _decoded(buffer)
 
 
 def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
@@ -185,16 +193,12 @@ def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
     if not is_distributed():
         return value
     group = _cpu_group() if group is None else group
-    payload = json.dumps(value).encode() if rank() == src else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64)
+    payload = _encoded(value) if rank() == src else None
+    size = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64)
     dist.broadcast(size, src=src, group=group)
-    data = (
-        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        if rank() == src
-        else torch.empty(int(size.item()), dtype=torch.uint8)
-    )
+    data = torch.empty(int(size.item()), dtype=torch.uint8) if payload is None else payload
     dist.broadcast(data, src=src, group=group)
-    return value if rank() == src else json.loads(data.numpy().tobytes())
+    return value if payload is not None else _decoded(data)
 
 
 def relay_json(value: Any, ranks: list[int], group: Any = None) -> Any:
@@ -210,7 +214,7 @@ def relay_json(value: Any, ranks: list[int], group: Any = None) -> Any:
     me = ranks.index(rank())
     parent, children = relay_tree(me, len(ranks))
     if parent is None:
-        data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+        data = _encoded(value)
     else:
         size = torch.zeros(1, dtype=torch.int64)
         dist.recv(size, src=ranks[parent], group=group, tag=_RELAY_TAG)
@@ -220,7 +224,7 @@ def relay_json(value: Any, ranks: list[int], group: Any = None) -> Any:
         size = torch.tensor([len(data)], dtype=torch.int64)
         dist.send(size, dst=ranks[child], group=group, tag=_RELAY_TAG)
         dist.send(data, dst=ranks[child], group=group, tag=_RELAY_TAG)
-    return value if parent is None else json.loads(data.numpy().tobytes())
+    return value if parent is None else _decoded(data)
 
 
 def relay_tree(me: int, n: int) -> tuple[int | None, list[int]]:
@@ -241,14 +245,18 @@ _RELAY_TAG = 7  # apart from the untagged point-to-point messages of the gathers
 
 
 def first_error(error: str | None, group: Any = None) -> str | None:
-    """The first rank's error of all ranks' (None: no rank failed). One small
-    all-reduce when no rank failed; the messages travel only when one did."""
+    """The error of the lowest-ranked rank that failed (None: no rank failed): one
+    all-reduce of one integer finds that rank, which then broadcasts its message, so
+    no rank receives more than one message however many failed."""
     if not is_distributed():
         return error
-    if not max_of([int(error is not None)], group)[0]:
+    world = world_size()
+    # The lowest failing rank r is the one with the largest world - r.
+    top = max_of([world - rank() if error is not None else 0], group)[0]
+    if not top:
         return None
     # Never empty: callers test the answer for truth.
-    return next(e for e in all_gather_json(error, group) if e is not None) or "(no message)"
+    return broadcast_json(error, world - top, group) or "(no message)"
 
 
 def barrier(group: Any = None) -> None:

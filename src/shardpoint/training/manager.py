@@ -295,7 +295,12 @@ class CheckpointManager:
         remote = set(
             dist.broadcast_json(self._reachable_remote_steps() if dist.rank() == 0 else None)
         )
-        on_disk = {s for steps in dist.all_gather_json(sorted(local)) for s in steps}
+        every_rank = dist.gather_json(sorted(local))  # on rank 0, which sends the union
+        on_disk = set(
+            dist.broadcast_json(
+                None if every_rank is None else sorted({s for ss in every_rank for s in ss})
+            )
+        )
         out: list[tuple[int, Callable[[Any], bool]]] = []
         if self.memory is not None:
             in_memory = self.memory.newest_step()  # collective: ranks agree on it
@@ -396,19 +401,21 @@ class CheckpointManager:
             error = f"rank {dist.rank()}: {exc}"
         # Ranks agree: a checkpoint is used only if it loaded on every rank. The
         # messages travel only if some rank failed.
-        failed = dist.max_of([int(error is not None)])[0]
-        errors = [e for e in dist.all_gather_json(error) if e] if failed else []
+        failed, mismatched = dist.max_of([int(error is not None), int(mismatch is not None)])
+        first = None
+        if failed:  # a mismatch first: an older checkpoint would not fit either
+            first = dist.first_error(error if mismatch is not None or not mismatched else None)
         if mismatch is not None:
             raise mismatch
-        if any(e.startswith("mismatch: ") for e in errors):
-            raise StateMismatchError(f"another rank could not load {path}: {errors[0]}")
-        if errors:
+        if mismatched:
+            raise StateMismatchError(f"another rank could not load {path}: {first}")
+        if first is not None:
             warnings.warn(
-                f"checkpoint at step {step} is not usable ({errors[0]}); falling back to "
+                f"checkpoint at step {step} is not usable ({first}); falling back to "
                 "the next copy or the previous checkpoint",
                 stacklevel=3,
             )
-            self._log("fallback", step=step, path=path, error=errors[0])
+            self._log("fallback", step=step, path=path, error=first)
             return False
         from_remote = dist.gather_json(  # for rank 0's event log
             view.bytes_read_from(remote_copy) if view is not None and remote_copy else 0
@@ -709,10 +716,13 @@ def _directory_per_node(storage: CheckpointStorage) -> bool:
     """
     if not dist.is_distributed():
         return False
-    token = uuid.uuid4().hex if dist.rank() == 0 else None
-    leaders = dist.all_gather_json([dist.is_node_leader(), token])
-    token = leaders[0][1]
-    probes = {f"probe-{token}-{r}" for r, (leads, _) in enumerate(leaders) if leads}
+    # Rank 0 learns which ranks lead a node and sends every rank their list and a
+    # token: what a rank receives grows with the nodes, not the ranks.
+    leads = dist.gather_json(dist.is_node_leader())
+    token, leaders = dist.broadcast_json(
+        None if leads is None else [uuid.uuid4().hex, [r for r, y in enumerate(leads) if y]]
+    )
+    probes = {f"probe-{token}-{r}" for r in leaders}
     mine = f"probe-{token}-{dist.rank()}"
     if len(probes) < 2 or is_url(storage.where):
         return False
@@ -723,14 +733,12 @@ def _directory_per_node(storage: CheckpointStorage) -> bool:
             wrote = True
         except (OSError, CheckpointError):
             pass
-    dist.all_gather_json(None)  # every probe written before anyone looks
-    sees_all = None
-    if wrote:
-        sees_all = probes <= set(storage.list())
-    verdicts = dist.all_gather_json(sees_all)
+    dist.barrier()  # every probe written before anyone looks
+    blind = wrote and not probes <= set(storage.list())
+    separate = bool(dist.max_of([int(blind)])[0])  # also: all have looked before any probe goes
     if wrote:
         storage.delete(mine)
-    return any(v is False for v in verdicts)
+    return separate
 
 
 def _job_name(directory: Any) -> str:

@@ -79,6 +79,7 @@ class MemoryTier:
         self._stager = Stager(StagingPool(pool_bytes), DEFAULT_THREADS, nice)
         self.group = dist.new_cpu_group()  # collective: every rank builds its tier
         self._thread: threading.Thread | None = None
+        self._role: dict[str, Any] | None = None  # this rank's part of the agreed restore
         self._error: BaseException | None = None
         self.base.mkdir(parents=True, exist_ok=True)
         _remove_stale_jobs(self.base.parent, keep=self.base)
@@ -278,23 +279,34 @@ class MemoryTier:
 
     def newest_step(self) -> int | None:
         """Collective: the newest step every rank can recover from memory (own or a buddy's).
-        A save in flight finishes first; one that failed is simply not a candidate."""
+        A save in flight finishes first; one that failed is simply not a candidate.
+
+        Rank 0 gathers every rank's holdings, picks the step and who sends whom a copy,
+        and sends each rank its own part of that plan: only rank 0 receives anything
+        that grows with the number of ranks."""
         self.wait(raise_error=False)
-        self._available = dist.all_gather_json(self._holdings(), self.group)
-        return _recoverable(self._available, self.world)
+        holdings = dist.gather_json(self._holdings(), 0, self.group)
+        roles = None if holdings is None else _restore_roles(holdings, self.world)
+        self._role = dist.scatter_json(roles, 0, self.group)
+        return self._role["step"]
 
     def restore(self, state: Any, step: int) -> None:
-        """Collective: load ``step`` from memory; ranks without their own copy receive it
-        from a buddy first. Raises (on every rank) if any rank cannot load it."""
-        transfers = _transfers(self._available, step, self.world)  # (holder, owner)
+        """Collective: load ``step`` (the one ``newest_step`` agreed on) from memory; ranks
+        without their own copy receive it from a buddy first. Raises (on every rank) if
+        any rank cannot load it."""
+        if self._role is None or self._role["step"] != step:
+            raise ValueError(
+                f"memory tier: restore({step}) needs newest_step() to have agreed on that "
+                "step first (every rank calls newest_step, then restore)"
+            )
         self.bytes_received = 0
-        for holder, owner in transfers:
-            if self.rank == holder:
-                src = self.replica_dir(owner, step)
-                self._exchange(send=(owner, src), recv=None)
-            if self.rank == owner:
-                files = self._available[holder]["held"][str(owner)][str(step)]
-                self._exchange(send=None, recv=(holder, files, self.own_dir(step)))
+        # This rank's transfers, in the order of the whole job's list: a rank waits for
+        # each of its transfers in turn, and every partner reaches it in the same order.
+        for kind, other, files in self._role["transfers"]:
+            if kind == "send":
+                self._exchange(send=(other, self.replica_dir(other, step)), recv=None)
+            else:
+                self._exchange(send=None, recv=(other, files, self.own_dir(step)))
         error = None
         try:
             # Whose copy it is is checked first: another rank's state never lands in ours.
@@ -345,31 +357,37 @@ def load_identity(path: Path) -> dict[str, Any]:
         return dict(r.metadata["user"].get("memory_tier", {}))
 
 
-def _recoverable(available: list[dict[str, Any]], world: int) -> int | None:
-    steps = sorted({s for a in available for s in a["own"]}, reverse=True)
-    for step in steps:
-        if all(_source(available, rank, step) is not None for rank in range(world)):
-            return step
-    return None
+def _restore_roles(holdings: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
+    """Rank 0's plan from every rank's holdings: per rank, the newest step every rank can
+    recover (None: none) and its part of the transfers, in the job's order: ["send",
+    owner, None] or ["receive", holder, {file: size}]. A rank's own copy comes first,
+    else the lowest-ranked buddy's."""
+    own = [set(h["own"]) for h in holdings]
+    replica: dict[tuple[int, int], int] = {}  # (owner, step) -> holder
+    for holder, h in enumerate(holdings):
+        for owner, steps in h["held"].items():
+            for step in steps:
+                replica.setdefault((int(owner), int(step)), holder)
 
+    def source(rank: int, step: int) -> int | None:
+        return rank if step in own[rank] else replica.get((rank, step))
 
-def _source(available: list[dict[str, Any]], rank: int, step: int) -> int | None:
-    """Who can give ``rank`` its copy of ``step``: itself, else the first buddy holding it."""
-    if step in available[rank]["own"]:
-        return rank
-    for holder, a in enumerate(available):
-        if str(step) in a["held"].get(str(rank), {}):
-            return holder
-    return None
-
-
-def _transfers(available: list[dict[str, Any]], step: int, world: int) -> list[tuple[int, int]]:
-    out = []
-    for rank in range(world):
-        source = _source(available, rank, step)
-        if source is not None and source != rank:
-            out.append((source, rank))
-    return out
+    newest = next(
+        (
+            step
+            for step in sorted(set().union(*own), reverse=True)
+            if all(source(rank, step) is not None for rank in range(world))
+        ),
+        None,
+    )
+    roles: list[dict[str, Any]] = [{"step": newest, "transfers": []} for _ in range(world)]
+    for owner in range(world) if newest is not None else ():
+        holder = source(owner, newest)
+        if holder != owner:
+            files = holdings[holder]["held"][str(owner)][str(newest)]
+            roles[holder]["transfers"].append(["send", owner, None])
+            roles[owner]["transfers"].append(["receive", holder, files])
+    return roles
 
 
 def _files(d: Path) -> dict[str, int]:
