@@ -33,7 +33,7 @@ from .saving import DEFAULT_THREADS
 from .shared_reads import agree, exchange, join_failed, plan_shared_reads
 from .storage.io_types import Segment
 from .tensor_kinds import local_part
-from .tensor_memory import flat_bytes, plain, same_memory
+from .tensor_memory import box_view, flat_bytes, overlap, plain, same_memory
 from .tree import LoadMatch, match
 
 
@@ -212,6 +212,12 @@ class ChunkRows:
         segment = Segment(chunk.begin + a * chunk.row_bytes, flat_bytes(self.tensor))
         return segment, _Pending(self.entry, chunk, first, last - first, None, False)
 
+    @property
+    def origin(self) -> tuple[int, ...]:
+        """Where ``tensor``'s first element sits in the global tensor."""
+        offsets = self.chunk.offsets
+        return (offsets[0] + self.first, *offsets[1:]) if offsets else ()
+
 
 class ReadPlan:
     """Collects destination regions of stored entries, then reads and verifies them.
@@ -367,20 +373,11 @@ class ReadPlan:
                 return Segment(chunk.begin, flat_bytes(t)), _Pending(
                     entry, chunk, 0, blocks, None, live
                 )
-        shape = tuple(t.shape)
-        box = [
-            (max(o, co), min(o + s, co + cs))
-            for o, s, co, cs in zip(region.offsets, shape, chunk.offsets, chunk.shape)
-        ]
-        if any(a >= b for a, b in box):
+        box = overlap(region.offsets, tuple(t.shape), chunk.offsets, chunk.shape)
+        if box is None:
             return None  # no overlap (or an empty tensor: nothing to read)
-        inside = all(
-            a == co and b == co + cs for (a, b), co, cs in zip(box, chunk.offsets, chunk.shape)
-        )
-        if inside:  # the whole chunk lands in the region (always so for a 0-d tensor)
-            dst = t
-            for dim, ((lo, hi), ro) in enumerate(zip(box, region.offsets)):
-                dst = dst.narrow(dim, lo - ro, hi - lo)
+        dst = box_view(t, region.offsets, box)
+        if dst.shape == chunk.shape:  # the whole chunk lands in the region (so does a 0-d one)
             if dst.device.type == "cpu" and dst.is_contiguous():  # e.g. a row shard
                 return Segment(chunk.begin, flat_bytes(dst)), _Pending(
                     entry, chunk, 0, blocks, None, live
@@ -390,13 +387,10 @@ class ReadPlan:
                 entry, chunk, 0, blocks, (dst, tmp), live
             )
         # Rows [a, b) of the chunk are needed; verified reads take whole checksum blocks.
-        rows = ChunkRows(entry, chunk, box[0][0] - chunk.offsets[0], box[0][1] - chunk.offsets[0])
+        lo, hi = box
+        rows = ChunkRows(entry, chunk, lo[0] - chunk.offsets[0], hi[0] - chunk.offsets[0])
         segment, p = rows.plan(verify)
-        src, dst = rows.tensor, t
-        for dim, ((lo, hi), co, ro) in enumerate(zip(box, chunk.offsets, region.offsets)):
-            src = src.narrow(dim, lo - co - (rows.first if dim == 0 else 0), hi - lo)
-            dst = dst.narrow(dim, lo - ro, hi - lo)
-        p.copy, p.live = (dst, src), live
+        p.copy, p.live = (dst, box_view(rows.tensor, rows.origin, box)), live
         return segment, p
 
 

@@ -32,7 +32,7 @@ import xxhash
 from . import dist
 from .errors import CheckpointError
 from .format.safetensors import itemsize
-from .tensor_memory import flat_bytes, same_memory
+from .tensor_memory import Box, box_view, flat_bytes, overlap, same_memory
 
 # The read plan, its regions, the rows read for others and the undo copy are
 # loading.py's (ReadPlan, Region, ChunkRows, Undo); typed Any here so that this module
@@ -42,15 +42,12 @@ Region = Any
 ChunkRows = Any
 Undo = Any
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # [lo, hi) in the global tensor
-
 
 @dataclass
 class _Source:
     """Rows of one stored chunk this rank reads, and the boxes of them to hand out."""
 
     rows: ChunkRows  # .tensor holds chunk rows [.first, ...) once the reads ran
-    offsets: tuple[int, ...]  # the chunk's, in the global tensor
     sends: list[tuple[int, int, Box]] = field(default_factory=list)  # tag, rank, box
     own: list[tuple[Box, list[Region]]] = field(default_factory=list)  # this rank's pieces
 
@@ -139,19 +136,20 @@ def plan_shared_reads(
             continue
         _, key, lo, hi, sends = item
         entry, chunk = stored[key]
-        source = _Source(None, chunk.offsets)
+        source = _Source(None)
         for tag, rank, blo, bhi in sends:
             box = (tuple(blo), tuple(bhi))
             if rank != me:
                 source.sends.append((tag, rank, box))
                 continue
             regions = pieces[key, box]
-            if source.rows is None and lo == blo and hi == bhi and _whole(chunk, box):
+            whole = box == (chunk.offsets, tuple(o + n for o, n in zip(chunk.offsets, chunk.shape)))
+            if source.rows is None and lo == blo and hi == bhi and whole:
                 # Nobody needs more than the whole chunk, which lands whole in one of this
                 # rank's regions: where that is contiguous it is read in place, as without
                 # sharing, and sent from there.
                 for r in regions:
-                    into = _narrowed(r.tensor, box[0], r.offsets, chunk.shape)
+                    into = box_view(r.tensor, r.offsets, box)
                     if into.device.type == "cpu" and into.is_contiguous():
                         source.rows = reads.rows_in(entry, chunk, into)
                         regions = [other for other in regions if other is not r]
@@ -178,35 +176,21 @@ def _pieces(
         entry = reads.ckpt.index.entries[name]
         size = itemsize(entry.dtype)
         for r in regions:
-            top = tuple(o + n for o, n in zip(r.offsets, r.tensor.shape))
+            shape = tuple(r.tensor.shape)
+            top = tuple(o + n for o, n in zip(r.offsets, shape))
             for chunk in reads.ckpt.chunks(entry, r.offsets, top):
-                lo = tuple(max(a, c) for a, c in zip(r.offsets, chunk.offsets))
-                hi = tuple(min(a, c + n) for a, c, n in zip(top, chunk.offsets, chunk.shape))
-                if any(a >= b for a, b in zip(lo, hi)):
+                box = overlap(r.offsets, shape, chunk.offsets, chunk.shape)
+                if box is None:
                     continue  # no overlap (or empty: nothing to read)
                 key = f"{name}|{list(chunk.offsets)}"
-                if (key, (lo, hi)) not in pieces:
-                    pieces[key, (lo, hi)] = []
+                if (key, box) not in pieces:
+                    pieces[key, box] = []
+                    lo, hi = box
                     nbytes = math.prod(b - a for a, b in zip(lo, hi)) * size
                     wanted.append([key, list(lo), list(hi), nbytes])
                     stored[key] = (entry, chunk)
-                pieces[key, (lo, hi)].append(r)
+                pieces[key, box].append(r)
     return pieces, stored, wanted
-
-
-def _whole(chunk: Any, box: Box) -> bool:
-    lo, hi = box
-    return lo == chunk.offsets and hi == tuple(o + n for o, n in zip(lo, chunk.shape))
-
-
-def _narrowed(
-    tensor: torch.Tensor, lo: tuple[int, ...], offsets: tuple[int, ...], shape: tuple[int, ...]
-) -> torch.Tensor:
-    """The box at ``lo`` with ``shape`` (global coordinates) of ``tensor``, which starts
-    at ``offsets``."""
-    for dim, (a, o, n) in enumerate(zip(lo, offsets, shape)):
-        tensor = tensor.narrow(dim, a - o, n)
-    return tensor
 
 
 def assign_readers(distinct: dict[str, list[list[Any]]], digests: list[str]) -> list[list[Any]]:
@@ -277,31 +261,30 @@ def exchange(plan: SharedReads, undo: Undo, group: Any) -> None:
     only for the pieces that need one."""
     pending = []
     arrived: list[tuple[tuple[int, ...], list[Region], torch.Tensor]] = []
-    for tag, reader, (lo, hi), regions in plan.receives:
-        shape = tuple(b - a for a, b in zip(lo, hi))
+    for tag, reader, box, regions in plan.receives:
         first = regions[0]
-        into = _narrowed(first.tensor, lo, first.offsets, shape)
+        into = box_view(first.tensor, first.offsets, box)
         if into.device.type == "cpu" and into.is_contiguous():
             if first.live:
                 undo.save([into])  # before its bytes start to change
         else:
-            into = torch.empty(shape, dtype=first.tensor.dtype)
+            into = torch.empty(into.shape, dtype=into.dtype)
         pending.append(dist.irecv_bytes(flat_bytes(into), reader, _TAGS + tag, group))
-        arrived.append((lo, regions, into))
+        arrived.append((box, regions, into))
     sent = []  # alive until sent
     for source in plan.sources:
         for tag, rank, box in source.sends:
             data = flat_bytes(_piece(source, box).contiguous())
             sent.append(data)
             pending.append(dist.isend_bytes(data, rank, _TAGS + tag, group))
-        arrived.extend((box[0], regions, _piece(source, box)) for box, regions in source.own)
+        arrived.extend((box, regions, _piece(source, box)) for box, regions in source.own)
     for work in pending:
         work.wait()
     with torch.no_grad():
-        for lo, regions, data in arrived:
+        for box, regions, data in arrived:
             for region in regions:
                 for dest in (region.tensor, *region.copies):
-                    dest = _narrowed(dest, lo, region.offsets, tuple(data.shape))
+                    dest = box_view(dest, region.offsets, box)
                     if same_memory(dest, data):
                         continue  # received in place
                     if region.live:
@@ -316,7 +299,4 @@ _TAGS = 1 << 16
 
 def _piece(source: _Source, box: Box) -> torch.Tensor:
     """The box ``[lo, hi)`` (global coordinates) of what ``source`` read."""
-    view = source.rows.tensor
-    for dim, (a, b, o) in enumerate(zip(*box, source.offsets)):
-        view = view.narrow(dim, a - o - (source.rows.first if dim == 0 else 0), b - a)
-    return view
+    return box_view(source.rows.tensor, source.rows.origin, box)

@@ -1,4 +1,5 @@
-"""Raw byte views of tensor memory, so I/O can go straight to and from tensors."""
+"""Views of tensor memory: raw bytes, so I/O can go straight to and from tensors, and
+boxes of a global tensor, so a stored chunk meets the regions that need it."""
 
 from __future__ import annotations
 
@@ -38,3 +39,25 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.stride() == b.stride()
         and math.prod(a.shape) > 0
     )
+
+
+# Boxes: [lo, hi) in a global tensor's coordinates. A chunk, a rank's region and a
+# piece of either are boxes; a tensor holding one starts at its box's lo (its origin).
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def overlap(
+    a: tuple[int, ...], a_shape: tuple[int, ...], b: tuple[int, ...], b_shape: tuple[int, ...]
+) -> Box | None:
+    """The box shared by the box at ``a`` of ``a_shape`` and the one at ``b`` of
+    ``b_shape``; None if they share no element (a 0-d box shares its one element)."""
+    lo = tuple(map(max, a, b))
+    hi = tuple(min(x + n, y + m) for x, n, y, m in zip(a, a_shape, b, b_shape))
+    return None if any(x >= y for x, y in zip(lo, hi)) else (lo, hi)
+
+
+def box_view(tensor: torch.Tensor, origin: tuple[int, ...], box: Box) -> torch.Tensor:
+    """The part of ``tensor`` (whose first element sits at ``origin``) inside ``box``."""
+    for dim, (a, b, o) in enumerate(zip(*box, origin)):
+        tensor = tensor.narrow(dim, a - o, b - a)
+    return tensor
