@@ -14,11 +14,13 @@ from shardpoint import dist as sp_dist
 
 def _count_collectives(log: list[tuple[str, int]]) -> None:
     """Record every call of shardpoint's coordination layer and its payload size."""
-    depth = [0]  # first_error is built on max_of: count the outer call only
+    depth = [0]  # first_error is built on max_of (...): count the outer call only
     for name in (
         "all_gather_json",
         "gather_json",
         "gather_some_json",
+        "gather_distinct_json",
+        "scatter_json",
         "broadcast_json",
         "max_of",
         "first_error",
@@ -27,7 +29,9 @@ def _count_collectives(log: list[tuple[str, int]]) -> None:
 
         def counted(value, *args, _real=real, _name=name, **kwargs):
             if depth[0] == 0:
-                log.append((_name, len(json.dumps(value))))
+                # gather_distinct_json(facts, value, ...): the value is the structure
+                sent = [value, args[0]] if _name == "gather_distinct_json" else value
+                log.append((_name, len(json.dumps(sent))))
             depth[0] += 1
             try:
                 return _real(value, *args, **kwargs)
@@ -74,14 +78,15 @@ def test_an_unchanged_structure_is_not_gathered_again_and_a_change_on_one_rank_i
     run_ranks(2, _saves, str(tmp_path), 2)
     per_save = json.loads((tmp_path / "collectives.json").read_text())
     kinds = [[kind for kind, _ in save] for save in per_save]
-    # First save: the agreement (no plan yet), every rank's errors and structure, the
-    # structure gather, the sharded entries (none here), the commit's gather and outcome.
-    first = ["max_of", "all_gather_json", "all_gather_json", "gather_some_json"]
+    # First save: the agreement (no plan yet), every rank's errors and structure to
+    # rank 0 (each distinct structure once), each rank's part of the plan from it, the
+    # commit's gather and outcome.
+    first = ["max_of", "gather_distinct_json", "scatter_json"]
     assert kinds[0] == [*first, "gather_json", "broadcast_json"]
     # Unchanged structure: before writing, one all-reduce of five integers agrees that
     # every rank reuses the same plan; then the commit's gather and its outcome.
     assert kinds[1] == ["max_of", "gather_json", "broadcast_json"]
-    agreement, structure = per_save[1][0][1], per_save[0][2][1]
+    agreement, structure = per_save[1][0][1], per_save[0][1][1]
     assert agreement < 100 < structure  # the 50 replicated tensors are not sent again
     # Rank 1 changed one tensor's shape: both ranks plan again before writing...
     assert kinds[2] == kinds[0]
@@ -95,12 +100,14 @@ def test_an_unchanged_structure_is_not_gathered_again_and_a_change_on_one_rank_i
 def _steady_saves(rank: int, world: int, root: str) -> None:
     log: list[tuple[str, int]] = []
     count_received(log)
+    saves = []
     for step in range(3):
         before = len(log)
         shardpoint.save(_state(rank, step, 2), f"{root}/step{step}")
+        saves.append(log[before:])
     if rank == 1:
         with open(f"{root}/received.json", "w") as f:
-            json.dump(log[before:], f)
+            json.dump({"first": saves[0], "steady": saves[-1]}, f)
 
 
 def test_what_a_rank_receives_per_unchanged_save_does_not_grow_with_the_ranks(tmp_path):
@@ -113,7 +120,7 @@ def test_what_a_rank_receives_per_unchanged_save_does_not_grow_with_the_ranks(tm
         root = tmp_path / f"world{world}"
         root.mkdir()
         run_ranks(world, _steady_saves, str(root))
-        seen[world] = json.loads((root / "received.json").read_text())
+        seen[world] = json.loads((root / "received.json").read_text())["steady"]
         for step in range(3):
             assert shardpoint.verify(root / f"step{step}").ok
     assert seen[2] == seen[4]
@@ -125,3 +132,20 @@ def test_what_a_rank_receives_per_unchanged_save_does_not_grow_with_the_ranks(tm
         "broadcast",  # ...and its bytes
     ]
     assert sum(n for _, n in seen[2]) < 100
+
+
+def test_what_a_rank_receives_to_plan_a_save_does_not_grow_with_the_ranks(tmp_path):
+    """The first save (and any after a change) gathers every rank's structure to rank
+    0 alone, each distinct one once (here every rank holds the same 50 replicated
+    tensors), and each rank receives only its own writes: on 4 ranks rank 1 receives
+    no more than on 2 (its share of the replicated tensors shrinks), and no all-gather
+    sends it every rank's structure."""
+    seen = {}
+    for world in (2, 4):
+        root = tmp_path / f"world{world}"
+        root.mkdir()
+        run_ranks(world, _steady_saves, str(root))
+        seen[world] = json.loads((root / "received.json").read_text())["first"]
+    for world, log in seen.items():
+        assert "all_gather" not in [name for name, _ in log], (world, log)
+    assert sum(n for _, n in seen[4]) <= sum(n for _, n in seen[2]), seen

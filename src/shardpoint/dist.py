@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 _SOLO = threading.local()  # per thread: act as a job of one process
 _CPU_GROUP: Any = None
@@ -160,6 +161,41 @@ def gather_some_json(value: Any, dst: int = 0, group: Any = None) -> list[Any] |
     payload = b"" if value is None else json.dumps(value).encode()
     payloads = _gather_bytes(payload, dst, group)
     return None if payloads is None else [json.loads(p) if p else None for p in payloads]
+
+
+def gather_distinct_json(
+    facts: Any, value: Any, error: str | None, dst: int = 0, group: Any = None
+) -> tuple[str | None, list[tuple[Any, Any]] | None]:
+    """Every rank's small ``facts`` and large ``value`` on rank ``dst``, each distinct
+    value sent once, with an error agreement. Each rank sends ``dst`` its facts, a
+    digest of its value and its error (None: none); ``dst`` answers every rank with the
+    first error and whether it is the first rank with its digest, and only those send
+    their value (under DDP or FSDP every rank's is the same: one is sent).
+
+    Returns the first error (every rank) and, on ``dst`` when no rank failed, every
+    rank's ``(facts, value)``, equal values being one object; None elsewhere."""
+    if not is_distributed():
+        return error, None if error else [(facts, value)]
+    group = _cpu_group() if group is None else group
+    payload = json.dumps(value).encode()
+    digest = xxhash.xxh3_128_hexdigest(payload)
+    told = gather_json([facts, digest, error], dst, group)
+    answers = None
+    if told is not None:
+        failed = next((e for _, _, e in told if e), None)
+        first: dict[str, int] = {}
+        for r, (_, d, _) in enumerate(told):
+            first.setdefault(d, r)
+        answers = [[failed, first[d] == r] for r, (_, d, _) in enumerate(told)]
+    failed, speaks = scatter_json(answers, dst, group)
+    if failed is not None:
+        return failed, None
+    sent = _gather_bytes(payload if speaks else b"", dst, group)
+    if sent is None:
+        return None, None
+    assert told is not None
+    values = {told[r][1]: json.loads(p) for r, p in enumerate(sent) if p}
+    return None, [(f, values[d]) for f, d, _ in told]
 
 
 def scatter_json(values: list[Any] | None, src: int = 0, group: Any = None) -> Any:

@@ -213,7 +213,7 @@ class SavePlan:
     storage: CheckpointStorage
     rank: int
     tree: Any  # this rank's non-tensor tree (rank 0 merges every rank's at the commit)
-    structures: list[dict[str, Any]]  # every rank's aliases, node and whether it leads it
+    structures: list[dict[str, Any]] | None  # see _JobPlan
     pieces: list[Piece]  # what this rank writes
     local: dict[str, torch.Tensor]  # name -> this rank's contiguous bytes of the entry
     tensors: int
@@ -365,7 +365,7 @@ def plan_save(
         _PLANS[cache_key] = cached
     assert cached is not None
     mine = [Piece(h.name, h.offsets, h.shape, me, h) for h in holdings if _writes(h, me)]
-    mine += [p for p in cached.pieces if p.writer == me]
+    mine += cached.pieces
     return SavePlan(
         storage,
         me,
@@ -408,36 +408,89 @@ def _agree_and_plan(
     options: SaveOptions,
     group: Any,
 ) -> _JobPlan:
-    """A save without a plan every rank can reuse: gather every rank's error (raised on
-    every rank), then its structure, and plan. The all-gather also orders every write
-    after the preparation of the directory."""
+    """A save without a plan every rank can reuse. Rank 0 gathers every rank's error
+    (raised on every rank) and structure, plans who writes which replicated chunk and
+    sends each rank its own writes. A rank's replicated holdings, tied tensors and
+    sharded entries travel once per distinct list (under DDP or FSDP: once), so no rank
+    but rank 0 receives anything that grows with the ranks; in per-node mode each
+    node's first rank also gets every rank's node and tied tensors, for its node's
+    index. Waiting for rank 0's answer also orders every write after the preparation
+    of the directory."""
     me = dist.rank()
-    agreed = dist.all_gather_json(
-        {
-            "own": own,
-            # Ranks with the same sharded entries (every rank under FSDP) send them once.
-            "sharded": _digest(sharded) if sharded else None,
-            "error": f"rank {me}: {own_error}" if own_error else None,
-        },
-        group,
-    )
-    failed = [g["error"] for g in agreed if g["error"]]
+    replicated = [h for h in holdings if h.replicated]
+    facts = [own, sum(h.nbytes for h in holdings if _writes(h, me)), dist.node_rank()]
+    facts.append(dist.is_node_leader())
+    structure = {"replicated": [h.to_json() for h in replicated], "aliases": aliases}
+    structure["sharded"] = sharded
+    error = f"rank {me}: {own_error}" if own_error else None
+    failed, gathered = dist.gather_distinct_json(facts, structure, error, 0, group)
     if failed and commit_ is not None:
         commit_.release()
     if own_error is not None:
         raise own_error
     if failed:
-        raise CheckpointError(f"{where}: another rank could not save: {failed[0]}")
-    lists = [g["sharded"] for g in agreed]
-    first = lists[me] is not None and lists.index(lists[me]) == me
-    return _plan_job(
-        holdings,
-        aliases,
-        options.per_node,
-        [g["own"] for g in agreed],
-        sharded if first else None,
-        group,
-    )
+        raise CheckpointError(f"{where}: another rank could not save: {failed}")
+    job = None if gathered is None else _plan_job(gathered, options.per_node)
+    part = dist.scatter_json(None if job is None else job.parts, 0, group)
+    held = {(h.name, h.offsets, h.shape): h for h in replicated}
+    pieces = [
+        Piece(name, tuple(offsets), tuple(shape), me, held[name, tuple(at), tuple(size)])
+        for name, offsets, shape, at, size in part["writes"]
+    ]
+    if job is None:
+        return _JobPlan(own, part["job"], part.get("structures"), pieces)
+    return _JobPlan(own, part["job"], job.structures, pieces, job.table, job.conflict, job.lists)
+
+
+@dataclass
+class _RankZeroPlan:
+    """Rank 0's plan of a job: each rank's part, and what its commits need."""
+
+    parts: list[dict[str, Any]]  # per rank: the job's digest, its writes (and structures)
+    structures: list[dict[str, Any]]  # every rank's aliases, node and whether it leads it
+    table: dict[str, tuple[str, tuple[int, ...], Sharding]]
+    conflict: str | None
+    lists: list[Any]  # the distinct lists of sharded entries the table is made of
+
+
+def _plan_job(gathered: list[tuple[Any, Any]], per_node: bool) -> _RankZeroPlan:
+    """Rank 0: from every rank's facts and structure (equal structures are one object,
+    read once), who writes which replicated chunk, and each rank's part of the plan."""
+    decoded: dict[int, list[Holding]] = {}
+    for _, structure in gathered:
+        if id(structure) not in decoded:
+            decoded[id(structure)] = [Holding.from_json(h) for h in structure["replicated"]]
+    replicated = [decoded[id(structure)] for _, structure in gathered]
+    sole_bytes = [facts[1] for facts, _ in gathered]
+    nodes = [facts[2] for facts, _ in gathered]
+    if per_node:
+        # Every node writes its own copy of replicated state, split among its ranks, so
+        # a node restores from its own disk alone; shards are written once.
+        pieces = [
+            piece
+            for node in sorted(set(nodes))
+            for piece in plan_writes(
+                sole_bytes, [held if n == node else [] for held, n in zip(replicated, nodes)]
+            )
+        ]
+    else:
+        pieces = plan_writes(sole_bytes, replicated)
+    structures = [
+        {"aliases": structure["aliases"], "node": facts[2], "leader": facts[3]}
+        for facts, structure in gathered
+    ]
+    job = _digest([facts[0] for facts, _ in gathered])
+    parts: list[dict[str, Any]] = [{"job": job, "writes": []} for _ in gathered]
+    for p in pieces:
+        held = p.source  # the writer's holding the piece is cut from
+        parts[p.writer]["writes"].append([p.name, p.offsets, p.shape, held.offsets, held.shape])
+    if per_node:  # the ranks that commit a node's copy build its index
+        for rank, (facts, _) in enumerate(gathered):
+            if facts[3] or rank == 0:
+                parts[rank]["structures"] = structures
+    lists = [s["sharded"] for s in {id(s): s for _, s in gathered}.values()]
+    table, conflict = _sharded_table(lists)
+    return _RankZeroPlan(parts, structures, table, conflict, lists)
 
 
 def _writes(h: Holding, rank: int) -> bool:
@@ -457,8 +510,10 @@ class _JobPlan:
 
     own: str | None  # this rank's structure digest (None in one process: no reuse)
     job: str  # the digest of every rank's structure digest
-    structures: list[dict[str, Any]]  # every rank's aliases, node and whether it leads it
-    pieces: list[Piece]  # every rank's share of the replicated chunks
+    # Every rank's aliases, node and whether it leads it: on rank 0 and, in per-node
+    # mode, on each node's first rank (None elsewhere).
+    structures: list[dict[str, Any]] | None
+    pieces: list[Piece]  # this rank's share of the replicated chunks
     # On rank 0: every entry described by its sharding -> (dtype, global shape,
     # sharding), or why the ranks' descriptions disagree.
     sharded: dict[str, tuple[str, tuple[int, ...], Sharding]] | None = None
@@ -496,50 +551,6 @@ def _sharded_entries(holdings: list[Holding]) -> list[Any]:
             mesh = meshes.setdefault(h.sharding.mesh, len(meshes))
             entries.append([h.name, h.dtype, h.global_shape, mesh, h.sharding.dims])
     return [[[m.shape, m.ranks] for m in meshes], entries] if entries else []
-
-
-def _plan_job(
-    holdings: list[Holding],
-    aliases: dict[str, str],
-    per_node: bool,
-    digests: list[str | None],
-    sharded: list[Any] | None,
-    group: Any,
-) -> _JobPlan:
-    """Gather every rank's structure and plan who writes which replicated chunk; rank 0
-    also gathers each distinct list of sharded entries once, for the index."""
-    me = dist.rank()
-    gathered = dist.all_gather_json(
-        {
-            "sole_bytes": sum(h.nbytes for h in holdings if _writes(h, me)),
-            "replicated": [h.to_json() for h in holdings if h.replicated],
-            "aliases": aliases,
-            "node": dist.node_rank(),
-            "leader": dist.is_node_leader(),
-        },
-        group,
-    )
-    replicated = [[Holding.from_json(h) for h in g["replicated"]] for g in gathered]
-    sole_bytes = [g["sole_bytes"] for g in gathered]
-    if per_node:
-        # Every node writes its own copy of replicated state, split among its ranks, so
-        # a node restores from its own disk alone; shards are written once.
-        nodes = [g["node"] for g in gathered]
-        pieces = [
-            piece
-            for node in sorted(set(nodes))
-            for piece in plan_writes(
-                sole_bytes, [held if n == node else [] for held, n in zip(replicated, nodes)]
-            )
-        ]
-    else:
-        pieces = plan_writes(sole_bytes, replicated)
-    structures = [
-        {"aliases": g["aliases"], "node": g["node"], "leader": g["leader"]} for g in gathered
-    ]
-    lists = dist.gather_some_json(sharded, 0, group)
-    table, conflict = _sharded_table(lists) if lists is not None else (None, None)
-    return _JobPlan(digests[me], _digest(digests), structures, pieces, table, conflict, lists)
 
 
 def _sharded_table(
