@@ -487,6 +487,30 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "save structure all-gathered",
+        "what a rank receives does not grow with the ranks (save planning)",
+        "src/shardpoint/saving.py",
+        "    failed, gathered = dist.gather_distinct_json(facts, structure, error, 0, group)\n",
+        "    everyone = dist.all_gather_json([facts, structure, error], group)\n"
+        "    failed = next((e for _, _, e in everyone if e), None)\n"
+        "    gathered = None if failed or me else [(f, v) for f, v, _ in everyone]\n",
+        (
+            "tests/test_save_plan_cache.py::"
+            "test_what_a_rank_receives_to_plan_a_save_does_not_grow_with_the_ranks",
+        ),
+    ),
+    Mutation(
+        "stale holder loads",
+        "replicated chunks go to the least-loaded holder",
+        "src/shardpoint/plan.py",
+        "        while heap[0][0] != load[heap[0][1]]:\n",
+        "        while False:\n",
+        (
+            "tests/test_write_plan.py::"
+            "test_the_plan_is_the_least_loaded_holder_for_every_chunk_however_lists_are_shared",
+        ),
+    ),
+    Mutation(
         "reads not shared",
         "each stored byte read once (share_reads)",
         "src/shardpoint/shared_reads.py",

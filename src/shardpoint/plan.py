@@ -4,19 +4,22 @@ busiest rank writes about as much as the average.
 A chunk that only one rank can hold (a DTensor shard with no ``Replicate``
 placement: FSDP, TP) is written by that rank, and the planner only needs each rank's
 total of such bytes. Chunks that may be replicated (plain tensors, replicated DTensor
-dims) are gathered and planned; every rank runs the same deterministic planner on the
-same input, so no plan is sent around:
+dims) are planned by rank 0, which sends each rank its own writes (saving.py):
 
 1. A large chunk held by several ranks (a DDP parameter, a replicated norm) is split
    into row pieces, one per holder, the largest pieces to the least-loaded holders.
 2. The other replicated chunks go, largest first, to the least-loaded holder
    (longest-processing-time greedy); a chunk only one rank holds goes to it.
 
-So planning costs O(replicated chunks), whatever the number of sharded parameters.
+Ranks that hold the same list of replicated chunks (every rank under DDP) usually
+pass the same list object, read once, and the least-loaded holder comes from a heap
+per set of holders: planning costs O(ranks + distinct lists x chunks + chunks x
+log(ranks)), not O(ranks x chunks), plus the pieces that large chunks split into.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -75,17 +78,20 @@ def plan_writes(
     ``sole_bytes[r]``: what rank ``r`` writes anyway (its unreplicated shards);
     ``replicated[r]``: the chunks rank ``r`` holds that others may hold too.
     """
+    holders: dict[int, tuple[list[Holding], list[int]]] = {}  # id(list) -> (list, ranks)
+    for rank, held in enumerate(replicated):
+        holders.setdefault(id(held), (held, []))[1].append(rank)
     groups: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
     first: dict[tuple[str, tuple[int, ...], tuple[int, ...]], Holding] = {}
-    for rank, held in enumerate(replicated):
+    for held, ranks in holders.values():
         for h in held:
             key = (h.name, h.offsets, h.shape)
-            ranks = groups.get(key)
-            if ranks is None:
-                groups[key] = [rank]
+            known = groups.get(key)
+            if known is None:
+                groups[key] = ranks  # shared by every chunk of this list, never changed
                 first[key] = h
             else:
-                ranks.append(rank)
+                groups[key] = sorted(known + ranks)
 
     load = list(sole_bytes)
     pieces: list[Piece] = []
@@ -96,10 +102,20 @@ def plan_writes(
             pieces.extend(_split_rows(h, ranks, load))
         else:
             rest.append((h, ranks))
+    # (load, rank) of each holder set's ranks; an entry is stale once another set's
+    # chunk raised that rank's load, and is refreshed when it comes to the top.
+    heaps: dict[int, list[tuple[int, int]]] = {}
     for h, ranks in sorted(rest, key=lambda x: -x[0].nbytes):
-        writer = min(ranks, key=lambda r: (load[r], r))
+        heap = heaps.get(id(ranks))
+        if heap is None:
+            heap = heaps[id(ranks)] = [(load[r], r) for r in ranks]
+            heapq.heapify(heap)
+        while heap[0][0] != load[heap[0][1]]:
+            heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
+        writer = heap[0][1]  # the least loaded, the lowest rank among equals
         pieces.append(Piece(h.name, h.offsets, h.shape, writer, h))
         load[writer] += h.nbytes
+        heapq.heapreplace(heap, (load[writer], writer))
     return pieces
 
 
