@@ -1,6 +1,7 @@
 """Damaged, incomplete and hostile checkpoints raise typed errors; nothing is loaded silently."""
 
 import errno
+import json
 import os
 
 import pytest
@@ -62,6 +63,50 @@ def test_a_flipped_byte_in_the_header_is_caught(ckpt_dir, pos):
     raw[pos] ^= 0x41
     shard.write_bytes(raw)
     _all_readers_fail(ckpt_dir)
+
+
+def _rewrite_header_value(shard, old: bytes, new: bytes) -> None:
+    """Replace ``old`` by ``new`` (same length) in the shard's header: the file stays a
+    valid safetensors file whose slots still agree with the index."""
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    assert len(old) == len(new) and raw[8 : 8 + n].count(old) == 1
+    shard.write_bytes(raw[:8] + raw[8 : 8 + n].replace(old, new) + raw[8 + n :])
+
+
+def test_a_load_checks_each_shard_header_by_its_checksum_in_the_index(ckpt_dir):
+    """The index records each shard file's header checksum, so a load compares it
+    instead of parsing the header: a header edited anywhere (here only its metadata,
+    which slot-by-slot parsing would accept) is refused before a byte of data is read,
+    and the state is untouched."""
+    shardpoint.save(sample_state(), ckpt_dir)
+    shard = _shard(ckpt_dir)
+    files = json.loads((ckpt_dir / INDEX_NAME).read_text())["files"]
+    assert len(files[shard.name]["header"]) == 16
+    _rewrite_header_value(shard, b'"format":"pt"', b'"format":"xx"')
+    dest = _dest()
+    before = {k: v.clone() for k, v in [("a", dest["a"]), ("c", dest["b"]["c"])]}
+    with pytest.raises(CorruptCheckpointError, match=f"{shard.name}: its header does not match"):
+        shardpoint.load(dest, ckpt_dir)
+    assert torch.equal(dest["a"], before["a"]) and torch.equal(dest["b"]["c"], before["c"])
+
+
+def test_without_header_checksums_a_load_parses_every_header(ckpt_dir):
+    """An index from an earlier release has no header checksums: each header is parsed
+    and its slots compared with the index, as before."""
+    shardpoint.save(sample_state(), ckpt_dir)
+    shard = _shard(ckpt_dir)
+
+    def earlier_release(doc):
+        for info in doc["files"].values():
+            info.pop("header", None)
+
+    rewrite_index(ckpt_dir, earlier_release)
+    shardpoint.load(_dest(), ckpt_dir)  # parsed, and it agrees
+    _rewrite_header_value(shard, b'"dtype":"I64"', b'"dtype":"U64"')
+    slot = f"{shard.name}: its header does not match {INDEX_NAME} for 'b.c'"
+    with pytest.raises(CorruptCheckpointError, match=slot):
+        shardpoint.load(_dest(), ckpt_dir)
 
 
 @pytest.mark.parametrize("keep", [0, 7, 100, -1])

@@ -511,6 +511,16 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "header checksum not compared",
+        "every byte is checked (shard headers)",
+        "src/shardpoint/checkpoint_dir.py",
+        "        if checksum(raw) != expected:\n",
+        "        if False:\n",
+        (
+            "tests/test_integrity.py::test_a_load_checks_each_shard_header_by_its_checksum_in_the_index",
+        ),
+    ),
+    Mutation(
         "reads not shared",
         "each stored byte read once (share_reads)",
         "src/shardpoint/shared_reads.py",

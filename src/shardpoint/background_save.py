@@ -488,4 +488,5 @@ class _Persist:
                 self.sums,
                 [h and h.hexdigest() for h in self.identities],
             ),
+            headers={f.shard.name: f.shard.header_checksum for f in self.files},
         )

@@ -40,6 +40,7 @@ class CommittedCheckpoint:
     _headers: dict[str, Header] = field(default_factory=dict)
     chunks_by_file: dict[str, list[tuple[TensorEntry, Chunk]]] = field(default_factory=dict)
     _fragments: dict[int, Fragment] = field(default_factory=dict)
+    _checked: set[str] = field(default_factory=set)  # files whose header checksum matched
 
     def __post_init__(self) -> None:
         for entry in self.index.entries.values():
@@ -134,13 +135,35 @@ class CommittedCheckpoint:
         if file not in self._headers:
             size = self.index.files.get(file)
             check_size(self.storage, file, size)
-            chunks = self.chunks_by_file.get(file, [])
-            start = min((c.begin for _, c in chunks), default=8)
-            header = read_header(self.storage, file, size=size, data_start=start)
+            header = read_header(self.storage, file, size=size, data_start=self._data_start(file))
             for entry, c in self.chunks_by_file.get(file, []):
                 self._check_slot(header, entry, c)
             self._headers[file] = header
         return self._headers[file]
+
+    def check_header(self, file: str) -> None:
+        """Check once that ``file``'s size and header agree with the index: by the
+        checksum of its header bytes where the index records one (a file this release
+        wrote: the header is then the one whose slots made the index), else by parsing
+        the header and comparing every slot."""
+        expected = self.index.headers.get(file)
+        if expected is None:
+            self.header(file)
+            return
+        if file in self._checked:
+            return
+        size = self.index.files.get(file)
+        check_size(self.storage, file, size)
+        raw, _ = _header_bytes(self.storage, file, size, self._data_start(file))
+        if checksum(raw) != expected:
+            raise CorruptCheckpointError(
+                f"{self.storage.location(file)}: its header does not match {INDEX_NAME} "
+                f"(shard replaced or index from another checkpoint); {_DAMAGED}"
+            )
+        self._checked.add(file)
+
+    def _data_start(self, file: str) -> int:
+        return min((c.begin for _, c in self.chunks_by_file.get(file, [])), default=8)
 
     def _check_slot(self, header: Header, entry: TensorEntry, c: Chunk) -> None:
         slot = header.slots.get(c.key)
@@ -162,17 +185,25 @@ def read_header(
     """Read and parse a shard's header. ``data_start`` (where the index says the data
     begins) lets one read fetch the length prefix and the header together: on an
     object store every read is a request."""
-    where = storage.location(file)
     if size is None:
         size = storage.size(file)
         if size is None:
-            raise CorruptCheckpointError(f"{where}: shard file is missing")
+            raise CorruptCheckpointError(f"{storage.location(file)}: shard file is missing")
+    raw, size = _header_bytes(storage, file, size, data_start)
+    return parse_header(raw[8:], size, storage.location(file))
+
+
+def _header_bytes(
+    storage: CheckpointStorage, file: str, size: int | None, data_start: int
+) -> tuple[bytes, int]:
+    """A shard's header as stored (length prefix, then the JSON) and the file's size."""
+    assert size is not None  # checked by the caller
     first = storage.read_range(file, 0, min(max(data_start, 8), size, 8 + _HEADER_GUESS))
-    n = header_length(first, size, where)
-    raw = first[8 : 8 + n]
-    if len(raw) < n:
+    n = header_length(first, size, storage.location(file))
+    raw = first[: 8 + n]
+    if len(raw) < 8 + n:
         raw += storage.read_range(file, len(first), 8 + n)
-    return parse_header(raw, size, where)
+    return raw, size
 
 
 _HEADER_GUESS = 16 * 1024 * 1024  # a hostile index must not make the first read huge

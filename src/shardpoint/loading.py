@@ -292,7 +292,7 @@ class ReadPlan:
         def add(segment: Segment, p: _Pending) -> None:
             nonlocal batch_bytes
             if p.chunk.file not in batches[-1]:  # checked once per file
-                self.ckpt.header(p.chunk.file)
+                self.ckpt.check_header(p.chunk.file)
             if batch_bytes >= UNDO_BATCH_BYTES:
                 batches.append({})
                 batch_bytes = 0

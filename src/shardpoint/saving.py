@@ -281,6 +281,7 @@ class WriteResult:
     fragment_files: list[str] = field(default_factory=list)
     # Files of earlier checkpoints its chunks refer to (incremental) -> size.
     referenced: dict[str, int] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)  # its shard file -> header checksum
 
     def to_json(self) -> dict[str, Any]:
         chunks = [c.to_json() for c in self.chunks]
@@ -291,6 +292,7 @@ class WriteResult:
             "fragment": self.fragment,
             "fragment_files": self.fragment_files,
             "referenced": self.referenced,
+            "headers": self.headers,
         }
 
     @staticmethod
@@ -298,7 +300,13 @@ class WriteResult:
         chunks = [ChunkRecord.from_json(c) for c in doc["chunks"]]
         fragment = tuple(doc["fragment"]) if doc["fragment"] is not None else None
         return WriteResult(
-            doc["files"], chunks, doc["error"], fragment, doc["fragment_files"], doc["referenced"]
+            doc["files"],
+            chunks,
+            doc["error"],
+            fragment,
+            doc["fragment_files"],
+            doc["referenced"],
+            doc["headers"],
         )
 
     def file_size(self, name: str) -> int:
@@ -697,6 +705,7 @@ def _write_fragment(plan: SavePlan, result: WriteResult) -> WriteResult:
         fragment=(len(data), checksum(data)),
         fragment_files=sorted({c.file for c in [*sharded.values(), *(e.chunks[0] for e in own)]}),
         referenced=result.referenced,
+        headers=result.headers,
     )
 
 
@@ -750,6 +759,11 @@ class ShardFile:
     size: int
     header: torch.Tensor  # uint8, padded; the file's first bytes
     placed: list[_Placed]
+
+    @property
+    def header_checksum(self) -> str:
+        """What the index records of the header, so a load need not parse it."""
+        return checksum(self.header.numpy())
 
 
 def lay_out(plan: SavePlan, max_shard_size: int, *, zero_copy: bool) -> list[ShardFile]:
@@ -834,7 +848,8 @@ def write_from_memory(plan: SavePlan, shards: list[ShardFile], threads: int) -> 
             Commit(plan.storage).abort(to_write, remove_directory=False)
             raise
     records = chunk_records(placed, [d[0] for d in done], [d[1] for d in done])
-    return WriteResult({f.name: f.size for f in shards}, records)
+    headers = {f.name: f.header_checksum for f in shards}
+    return WriteResult({f.name: f.size for f in shards}, records, headers=headers)
 
 
 # Built per tensor: a frozen dataclass costs five times as much to build.
@@ -902,7 +917,9 @@ def _index(
     chunks_of: dict[str, list[Chunk]] = {}
     meta: dict[str, tuple[str, tuple[int, ...]]] = {}
     files: dict[str, int] = {}
+    headers: dict[str, str] = {}
     for rank, r in enumerate(results):
+        headers.update(r.headers)
         for c in r.chunks:
             if included(rank, c):
                 meta[c.name] = (c.dtype, c.global_shape)
@@ -941,6 +958,7 @@ def _index(
         shardings=shardings,
         fragments={rank: r.fragment for rank, r in enumerate(results) if r.fragment},
         format_version=REFERENCES_VERSION if any(r.referenced for r in results) else PLAIN_VERSION,
+        headers={name: h for name, h in headers.items() if name in files},
     )
 
 

@@ -135,6 +135,10 @@ class Index:
     # fragments, read when needed), and each rank's fragment as (size, checksum).
     shardings: dict[str, Sharding] = field(default_factory=dict)
     fragments: dict[int, tuple[int, str]] = field(default_factory=dict)
+    # Shard file -> checksum of its header (the length prefix and the JSON, as
+    # written): a load compares it instead of parsing the header. Optional: files
+    # without one (earlier releases, files an incremental save refers to) are parsed.
+    headers: dict[str, str] = field(default_factory=dict)
 
     def resolve(self, name: str) -> TensorEntry:
         return self.entries[self.aliases.get(name, name)]
@@ -172,7 +176,7 @@ class Index:
             "created": self.created,
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "world_size": self.world_size,
-            "files": {name: {"size": size} for name, size in self.files.items()},
+            "files": {name: self._file_json(name, size) for name, size in self.files.items()},
             "meshes": [{"shape": list(m.shape), "ranks": _ranks_json(m.ranks)} for m in meshes],
             "fragments": {str(r): list(f) for r, f in sorted(self.fragments.items())},
             "tensors": tensors,
@@ -180,6 +184,10 @@ class Index:
             "metadata": self.metadata,
         }
         return _dumps(doc)
+
+    def _file_json(self, name: str, size: int) -> dict[str, Any]:
+        header = self.headers.get(name)
+        return {"size": size} if header is None else {"size": size, "header": header}
 
 
 def chunk_json(c: Chunk) -> dict[str, Any]:
@@ -308,9 +316,15 @@ def parse_index(raw: bytes, where: str) -> Index:
 
 def _parse_fields(doc: dict[str, Any], where: str) -> Index:
     files: dict[str, int] = {}
+    headers: dict[str, str] = {}
     for name, info in doc["files"].items():
         check_file_name(name, where)
         files[name] = _int(info["size"], f"size of file {name!r}", where)
+        header = info.get("header")
+        if header is not None:
+            if type(header) is not str or len(header) != 16 or not _HEX.fullmatch(header):
+                raise _corrupt(where, f"file {name!r} has a malformed header checksum")
+            headers[name] = header
 
     world_size = _int(doc.get("world_size", 1), "world_size", where, low=1)
     version = doc["format_version"]
@@ -363,6 +377,7 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
         format_version=version,
         shardings=shardings,
         fragments=fragments,
+        headers=headers,
     )
 
 
