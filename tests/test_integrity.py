@@ -89,6 +89,8 @@ def test_a_load_checks_each_shard_header_by_its_checksum_in_the_index(ckpt_dir):
     with pytest.raises(CorruptCheckpointError, match=f"{shard.name}: its header does not match"):
         shardpoint.load(dest, ckpt_dir)
     assert torch.equal(dest["a"], before["a"]) and torch.equal(dest["b"]["c"], before["c"])
+    report = shardpoint.verify(ckpt_dir)  # says what a load would find
+    assert not report.ok and "its header does not match" in report.files[0].errors[0]
 
 
 def test_without_header_checksums_a_load_parses_every_header(ckpt_dir):
