@@ -119,6 +119,9 @@ def v2_case(name: str, ranks: int, params: int) -> dict[str, float]:
     out["save_replan_rank0_s"] = time.perf_counter() - start
     assert job.conflict is None and len(job.table) == params
     out["save_replan_part_bytes"] = max(len(json.dumps(p)) for p in job.parts)
+    start = time.perf_counter()  # per-node mode (8 ranks per node): a plan per node
+    saving._plan_job(gathered, True)
+    out["save_replan_per_node_rank0_s"] = time.perf_counter() - start
     table = job.table
     out["structure_list_digest"] = len(listed)
 
@@ -373,6 +376,11 @@ def main() -> None:
             ("a rank plans its load (s)", v1["load_plan_s"], v2["load_plan_s"]),
             ("a rank plans its save, steady (s)", None, v2["save_plan_steady_s"]),
             ("  on a structure change, rank 0 plans (s)", None, v2["save_replan_rank0_s"]),
+            (
+                "  the same, node-local: a plan per node (s)",
+                None,
+                v2["save_replan_per_node_rank0_s"],
+            ),
             ("a rank's fragment (MB)", None, v2["fragment_bytes"] / 1e6),
         ]
         nodes, node_mb = v2["per_node_nodes"], v2["per_node_index_bytes"] / 1e6

@@ -34,3 +34,59 @@ def test_first_error_gives_every_rank_the_lowest_failing_ranks_message_and_no_ot
         assert "all_gather" not in [name for name, _ in log], log
         # One integer, then one message's size and bytes (rank 1 receives nothing).
         assert sum(n for _, n in log) <= 8 + 8 + len(first) + 2, (rank, log)
+
+
+def _failed_plan(rank: int, world: int, root: str) -> None:
+    from shardpoint import dist as sp_dist
+    from shardpoint.errors import CheckpointError
+
+    def plan() -> list:
+        raise ValueError("no plan today")
+
+    part = sp_dist.scatter_plan(lambda: [f"part {r}" for r in range(world)])
+    try:
+        sp_dist.scatter_plan(plan if rank == 0 else None)
+        raised = None
+    except (ValueError, CheckpointError) as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    Path(root, f"rank{rank}.json").write_text(json.dumps([part, raised]))
+
+
+def test_a_plan_that_fails_on_rank_0_fails_every_rank_instead_of_hanging(tmp_path):
+    run_ranks(3, _failed_plan, str(tmp_path))
+    for rank in range(3):
+        part, raised = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert part == f"part {rank}"
+        if rank == 0:
+            assert raised == "ValueError: no plan today"
+        else:
+            assert raised == "CheckpointError: rank 0 could not plan: no plan today"
+
+
+def _save_whose_plan_fails(rank: int, world: int, root: str) -> None:
+    import torch
+
+    import shardpoint
+    from shardpoint import saving
+    from shardpoint.errors import CheckpointError
+
+    state = {"w": torch.ones(4), "step": 1}
+    real = saving._plan_job
+    saving._plan_job = lambda *a: (_ for _ in ()).throw(RuntimeError("planner bug"))
+    try:
+        shardpoint.save(state, f"{root}/ckpt")
+        raised = None
+    except (RuntimeError, CheckpointError) as exc:
+        raised = type(exc).__name__
+    saving._plan_job = real
+    shardpoint.save(state, f"{root}/ckpt")  # the directory was released: saving works
+    Path(root, f"save{rank}.json").write_text(json.dumps(raised))
+
+
+def test_a_save_whose_planning_fails_on_rank_0_raises_everywhere_and_can_be_retried(tmp_path):
+    import shardpoint
+
+    run_ranks(2, _save_whose_plan_fails, str(tmp_path))
+    raised = [json.loads((tmp_path / f"save{r}.json").read_text()) for r in range(2)]
+    assert raised == ["RuntimeError", "CheckpointError"]
+    assert shardpoint.verify(tmp_path / "ckpt").ok

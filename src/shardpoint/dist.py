@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import xxhash
+
+from .errors import CheckpointError
 
 _SOLO = threading.local()  # per thread: act as a job of one process
 _CPU_GROUP: Any = None
@@ -222,6 +224,28 @@ def scatter_json(values: list[Any] | None, src: int = 0, group: Any = None) -> A
     buffer = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(buffer, src=src, group=group)
     return _decoded(buffer)
+
+
+def scatter_plan(plan: Callable[[], list[Any]] | None, src: int = 0, group: Any = None) -> Any:
+    """Rank ``src`` runs ``plan()`` (None on the others) and gives each rank its part, as
+    ``scatter_json`` does. If ``plan`` raises, every rank raises instead of waiting for
+    a part forever: ``src`` its own exception, the others a ``CheckpointError`` with its
+    message."""
+    if not is_distributed():
+        assert plan is not None
+        return plan()[0]
+    if rank() != src:
+        error, part = scatter_json(None, src, group)
+        if error is not None:
+            raise CheckpointError(f"rank {src} could not plan: {error}")
+        return part
+    assert plan is not None
+    try:
+        parts = [[None, part] for part in plan()]
+    except Exception as exc:
+        scatter_json([[str(exc) or type(exc).__name__, None]] * world_size(), src, group)
+        raise
+    return scatter_json(parts, src, group)[1]
 
 
 def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:

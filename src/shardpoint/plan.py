@@ -11,10 +11,12 @@ dims) are planned by rank 0, which sends each rank its own writes (saving.py):
 2. The other replicated chunks go, largest first, to the least-loaded holder
    (longest-processing-time greedy); a chunk only one rank holds goes to it.
 
-Ranks that hold the same list of replicated chunks (every rank under DDP) usually
-pass the same list object, read once, and the least-loaded holder comes from a heap
-per set of holders: planning costs O(ranks + distinct lists x chunks + chunks x
-log(ranks)), not O(ranks x chunks), plus the pieces that large chunks split into.
+Ranks that hold the same list of replicated chunks (every rank under DDP) pass the
+same list object, read once; chunks held by the same set of ranks share one list of
+them, and the least-loaded holder comes from a heap per such set. Under DDP planning
+costs O(ranks + chunks x log(ranks)), not O(ranks x chunks); in general it is linear
+in the size of the holder relation (plus a sort per chunk several lists hold), plus
+the pieces that large chunks split into.
 """
 
 from __future__ import annotations
@@ -81,17 +83,23 @@ def plan_writes(
     holders: dict[int, tuple[list[Holding], list[int]]] = {}  # id(list) -> (list, ranks)
     for rank, held in enumerate(replicated):
         holders.setdefault(id(held), (held, []))[1].append(rank)
-    groups: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    # chunk -> the rank lists of the lists that hold it (usually one: shared, unchanged)
+    found: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[list[int]]] = {}
     first: dict[tuple[str, tuple[int, ...], tuple[int, ...]], Holding] = {}
     for held, ranks in holders.values():
         for h in held:
             key = (h.name, h.offsets, h.shape)
-            known = groups.get(key)
-            if known is None:
-                groups[key] = ranks  # shared by every chunk of this list, never changed
+            lists = found.get(key)
+            if lists is None:
+                found[key] = [ranks]
                 first[key] = h
             else:
-                groups[key] = sorted(known + ranks)
+                lists.append(ranks)
+    merged: dict[tuple[int, ...], list[int]] = {}  # equal holder sets share one list
+    groups = {
+        key: lists[0] if len(lists) == 1 else merged.setdefault(*_union(lists))
+        for key, lists in found.items()
+    }
 
     load = list(sole_bytes)
     pieces: list[Piece] = []
@@ -117,6 +125,11 @@ def plan_writes(
         load[writer] += h.nbytes
         heapq.heapreplace(heap, (load[writer], writer))
     return pieces
+
+
+def _union(lists: list[list[int]]) -> tuple[tuple[int, ...], list[int]]:
+    ranks = sorted(r for ranks in lists for r in ranks)
+    return tuple(ranks), ranks
 
 
 def _split_rows(h: Holding, ranks: list[int], load: list[int]) -> list[Piece]:

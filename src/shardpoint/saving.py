@@ -438,8 +438,20 @@ def _agree_and_plan(
         raise own_error
     if failed:
         raise CheckpointError(f"{where}: another rank could not save: {failed}")
-    job = None if gathered is None else _plan_job(gathered, options.per_node)
-    part = dist.scatter_json(None if job is None else job.parts, 0, group)
+    job: _RankZeroPlan | None = None
+
+    def plan() -> list[dict[str, Any]]:
+        nonlocal job
+        assert gathered is not None
+        job = _plan_job(gathered, options.per_node)
+        return job.parts
+
+    try:  # a failure to plan fails every rank, none waits for its part
+        part = dist.scatter_plan(plan if gathered is not None else None, 0, group)
+    except Exception:
+        if commit_ is not None:
+            commit_.release()
+        raise
     held = {(h.name, h.offsets, h.shape): h for h in replicated}
     pieces = [
         Piece(name, tuple(offsets), tuple(shape), me, held[name, tuple(at), tuple(size)])
@@ -474,13 +486,17 @@ def _plan_job(gathered: list[tuple[Any, Any]], per_node: bool) -> _RankZeroPlan:
     if per_node:
         # Every node writes its own copy of replicated state, split among its ranks, so
         # a node restores from its own disk alone; shards are written once.
-        pieces = [
-            piece
-            for node in sorted(set(nodes))
+        members: dict[int, list[int]] = {}
+        for rank, node in enumerate(nodes):
+            members.setdefault(node, []).append(rank)
+        pieces = []
+        for node in sorted(members):
+            ranks = members[node]
             for piece in plan_writes(
-                sole_bytes, [held if n == node else [] for held, n in zip(replicated, nodes)]
-            )
-        ]
+                [sole_bytes[r] for r in ranks], [replicated[r] for r in ranks]
+            ):
+                piece.writer = ranks[piece.writer]  # the node's index -> the job's rank
+                pieces.append(piece)
     else:
         pieces = plan_writes(sole_bytes, replicated)
     structures = [
@@ -496,7 +512,10 @@ def _plan_job(gathered: list[tuple[Any, Any]], per_node: bool) -> _RankZeroPlan:
         for rank, (facts, _) in enumerate(gathered):
             if facts[3] or rank == 0:
                 parts[rank]["structures"] = structures
-    lists = [s["sharded"] for s in {id(s): s for _, s in gathered}.values()]
+    sharded: dict[str, Any] = {}  # each distinct list once, whatever else differs
+    for structure in {id(s): s for _, s in gathered}.values():
+        sharded.setdefault(_digest(structure["sharded"]), structure["sharded"])
+    lists = list(sharded.values())
     table, conflict = _sharded_table(lists)
     return _RankZeroPlan(parts, structures, table, conflict, lists)
 

@@ -117,12 +117,13 @@ def plan_shared_reads(
     failed, speaks = dist.scatter_json(asks, 0, group)
     _raise_if_failed(error, [failed], where)
     lists = dist.gather_some_json(wanted if speaks else None, 0, group)
-    parts = None
-    if lists is not None:
-        assert digests is not None
+
+    def plan() -> list[list[Any]]:
+        assert lists is not None and digests is not None
         distinct = {digests[r]: lst for r, lst in enumerate(lists) if lst is not None}
-        parts = assign_readers(distinct, digests)
-    part = dist.scatter_json(parts, 0, group)
+        return assign_readers(distinct, digests)
+
+    part = dist.scatter_plan(plan if lists is not None else None, 0, group)
     assert reads is not None or not part
     me = dist.rank()
     plan = SharedReads()

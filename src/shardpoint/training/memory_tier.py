@@ -286,8 +286,8 @@ class MemoryTier:
         that grows with the number of ranks."""
         self.wait(raise_error=False)
         holdings = dist.gather_json(self._holdings(), 0, self.group)
-        roles = None if holdings is None else _restore_roles(holdings, self.world)
-        self._role = dist.scatter_json(roles, 0, self.group)
+        plan = None if holdings is None else (lambda: _restore_roles(holdings, self.world))
+        self._role = dist.scatter_plan(plan, 0, self.group)
         return self._role["step"]
 
     def restore(self, state: Any, step: int) -> None:
