@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from distributed import count_received, run_ranks
+from distributed import count_received, run_ranks, run_ranks_outcomes
 
 WORLD = 4
 FAILING = (1, 3)
@@ -53,7 +53,9 @@ def _failed_plan(rank: int, world: int, root: str) -> None:
 
 
 def test_a_plan_that_fails_on_rank_0_fails_every_rank_instead_of_hanging(tmp_path):
-    run_ranks(3, _failed_plan, str(tmp_path))
+    # A rank left waiting for its part would hang: killed after 60 s, reported as such.
+    outcomes = run_ranks_outcomes(3, _failed_plan, str(tmp_path), errors=tmp_path, timeout=60)
+    assert [o.exitcode for o in outcomes] == [0, 0, 0], outcomes
     for rank in range(3):
         part, raised = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert part == f"part {rank}"

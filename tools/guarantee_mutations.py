@@ -521,6 +521,18 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "plan failure not told",
+        "a failure on one rank fails every rank (rank 0's plans)",
+        "src/shardpoint/dist.py",
+        "        scatter_json([[str(exc) or type(exc).__name__, None]] * world_size(),"
+        " src, group)\n",
+        "        pass\n",
+        (
+            "tests/test_coordination.py::"
+            "test_a_plan_that_fails_on_rank_0_fails_every_rank_instead_of_hanging",
+        ),
+    ),
+    Mutation(
         "reads not shared",
         "each stored byte read once (share_reads)",
         "src/shardpoint/shared_reads.py",
