@@ -44,11 +44,13 @@ def _failed_plan(rank: int, world: int, root: str) -> None:
         raise ValueError("no plan today")
 
     part = sp_dist.scatter_plan(lambda: [f"part {r}" for r in range(world)])
-    try:
-        sp_dist.scatter_plan(plan if rank == 0 else None)
-        raised = None
-    except (ValueError, CheckpointError) as exc:
-        raised = f"{type(exc).__name__}: {exc}"
+    raised = []
+    for failing in (plan, lambda: ["one part"]):  # raises; a part short
+        try:
+            sp_dist.scatter_plan(failing if rank == 0 else None)
+            raised.append(None)
+        except (ValueError, CheckpointError) as exc:
+            raised.append(f"{type(exc).__name__}: {exc}")
     Path(root, f"rank{rank}.json").write_text(json.dumps([part, raised]))
 
 
@@ -59,10 +61,14 @@ def test_a_plan_that_fails_on_rank_0_fails_every_rank_instead_of_hanging(tmp_pat
     for rank in range(3):
         part, raised = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert part == f"part {rank}"
+        short = "a plan of 1 parts for 3 ranks"
         if rank == 0:
-            assert raised == "ValueError: no plan today"
+            assert raised == ["ValueError: no plan today", f"ValueError: {short}"]
         else:
-            assert raised == "CheckpointError: rank 0 could not plan: no plan today"
+            assert raised == [
+                "CheckpointError: rank 0 could not plan: no plan today",
+                f"CheckpointError: rank 0 could not plan: {short}",
+            ]
 
 
 def _save_whose_plan_fails(rank: int, world: int, root: str) -> None:

@@ -21,6 +21,7 @@ def _count_collectives(log: list[tuple[str, int]]) -> None:
         "gather_some_json",
         "gather_distinct_json",
         "scatter_json",
+        "scatter_plan",
         "broadcast_json",
         "max_of",
         "first_error",
@@ -31,6 +32,7 @@ def _count_collectives(log: list[tuple[str, int]]) -> None:
             if depth[0] == 0:
                 # gather_distinct_json(facts, value, ...): the value is the structure
                 sent = [value, args[0]] if _name == "gather_distinct_json" else value
+                sent = None if callable(sent) else sent  # scatter_plan(plan): rank 0's planner
                 log.append((_name, len(json.dumps(sent))))
             depth[0] += 1
             try:
@@ -81,7 +83,7 @@ def test_an_unchanged_structure_is_not_gathered_again_and_a_change_on_one_rank_i
     # First save: the agreement (no plan yet), every rank's errors and structure to
     # rank 0 (each distinct structure once), each rank's part of the plan from it, the
     # commit's gather and outcome.
-    first = ["max_of", "gather_distinct_json", "scatter_json"]
+    first = ["max_of", "gather_distinct_json", "scatter_plan"]
     assert kinds[0] == [*first, "gather_json", "broadcast_json"]
     # Unchanged structure: before writing, one all-reduce of five integers agrees that
     # every rank reuses the same plan; then the commit's gather and its outcome.

@@ -524,7 +524,7 @@ MUTATIONS = [
         "plan failure not told",
         "a failure on one rank fails every rank (rank 0's plans)",
         "src/shardpoint/dist.py",
-        "        scatter_json([[str(exc) or type(exc).__name__, None]] * world_size(),"
+        "        _scatter_payloads([_encoded([str(exc) or type(exc).__name__, None])] * ranks,"
         " src, group)\n",
         "        pass\n",
         (

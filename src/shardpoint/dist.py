@@ -208,44 +208,55 @@ def scatter_json(values: list[Any] | None, src: int = 0, group: Any = None) -> A
     if not is_distributed():
         assert values is not None
         return values[0]
-    group = _cpu_group() if group is None else group
-    me = rank()
-    size = torch.zeros(1, dtype=torch.int64)
-    if me == src:
+    if rank() == src:
         assert values is not None
-        payloads = [_encoded(v) for v in values]
-        sizes = [torch.tensor([len(p)]) for p in payloads]
-        dist.scatter(size, sizes, src=src, group=group)
-        for r, payload in enumerate(payloads):
-            if r != me:
-                dist.send(payload, dst=r, group=group)
-        return values[me]
-    dist.scatter(size, None, src=src, group=group)
-    buffer = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(buffer, src=src, group=group)
-    return _decoded(buffer)
+        _scatter_payloads([_encoded(v) for v in values], src, group)
+        return values[src]
+    return _decoded(_scatter_payloads(None, src, group))
+
+
+def _scatter_payloads(payloads: list[torch.Tensor] | None, src: int, group: Any) -> torch.Tensor:
+    """The bytes of ``scatter_json``: ``payloads`` on ``src`` (one per rank of the
+    group), None elsewhere; returns this rank's."""
+    group = _cpu_group() if group is None else group
+    size = torch.zeros(1, dtype=torch.int64)
+    if payloads is None:
+        dist.scatter(size, None, src=src, group=group)
+        buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(buffer, src=src, group=group)
+        return buffer
+    dist.scatter(size, [torch.tensor([len(p)]) for p in payloads], src=src, group=group)
+    for r, payload in enumerate(payloads):
+        if r != src:
+            dist.send(payload, dst=r, group=group)
+    return payloads[src]
 
 
 def scatter_plan(plan: Callable[[], list[Any]] | None, src: int = 0, group: Any = None) -> Any:
     """Rank ``src`` runs ``plan()`` (None on the others) and gives each rank its part, as
-    ``scatter_json`` does. If ``plan`` raises, every rank raises instead of waiting for
-    a part forever: ``src`` its own exception, the others a ``CheckpointError`` with its
-    message."""
+    ``scatter_json`` does. If planning or encoding the parts fails, every rank raises
+    instead of waiting for a part forever: ``src`` its own exception, the others a
+    ``CheckpointError`` with its message."""
     if not is_distributed():
         assert plan is not None
         return plan()[0]
     if rank() != src:
-        error, part = scatter_json(None, src, group)
+        error, part = _decoded(_scatter_payloads(None, src, group))
         if error is not None:
             raise CheckpointError(f"rank {src} could not plan: {error}")
         return part
     assert plan is not None
+    ranks = dist.get_world_size(_cpu_group() if group is None else group)
     try:
-        parts = [[None, part] for part in plan()]
+        parts = plan()
+        if len(parts) != ranks:
+            raise ValueError(f"a plan of {len(parts)} parts for {ranks} ranks")
+        payloads = [_encoded([None, part]) for part in parts]
     except Exception as exc:
-        scatter_json([[str(exc) or type(exc).__name__, None]] * world_size(), src, group)
+        _scatter_payloads([_encoded([str(exc) or type(exc).__name__, None])] * ranks, src, group)
         raise
-    return scatter_json(parts, src, group)[1]
+    _scatter_payloads(payloads, src, group)
+    return parts[src]
 
 
 def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:

@@ -95,11 +95,17 @@ def plan_writes(
                 first[key] = h
             else:
                 lists.append(ranks)
-    merged: dict[tuple[int, ...], list[int]] = {}  # equal holder sets share one list
-    groups = {
-        key: lists[0] if len(lists) == 1 else merged.setdefault(*_union(lists))
-        for key, lists in found.items()
-    }
+    # Chunks held by the same lists share one merged list of their ranks (and a heap).
+    merged: dict[tuple[int, ...], list[int]] = {}
+    groups: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for key, lists in found.items():
+        if len(lists) == 1:
+            groups[key] = lists[0]
+            continue
+        same = tuple(map(id, lists))  # the lists' rank lists are disjoint: ids name the set
+        if same not in merged:
+            merged[same] = sorted(r for ranks in lists for r in ranks)
+        groups[key] = merged[same]
 
     load = list(sole_bytes)
     pieces: list[Piece] = []
@@ -125,11 +131,6 @@ def plan_writes(
         load[writer] += h.nbytes
         heapq.heapreplace(heap, (load[writer], writer))
     return pieces
-
-
-def _union(lists: list[list[int]]) -> tuple[tuple[int, ...], list[int]]:
-    ranks = sorted(r for ranks in lists for r in ranks)
-    return tuple(ranks), ranks
 
 
 def _split_rows(h: Holding, ranks: list[int], load: list[int]) -> list[Piece]:

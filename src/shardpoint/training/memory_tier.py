@@ -287,6 +287,7 @@ class MemoryTier:
         self.wait(raise_error=False)
         holdings = dist.gather_json(self._holdings(), 0, self.group)
         plan = None if holdings is None else (lambda: _restore_roles(holdings, self.world))
+        self._role = None  # until every rank has its part of this plan
         self._role = dist.scatter_plan(plan, 0, self.group)
         return self._role["step"]
 
