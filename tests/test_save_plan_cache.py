@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from distributed import count_received, run_ranks
 
@@ -112,17 +113,28 @@ def _steady_saves(rank: int, world: int, root: str) -> None:
             json.dump({"first": saves[0], "steady": saves[-1]}, f)
 
 
-def test_what_a_rank_receives_per_unchanged_save_does_not_grow_with_the_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def received_on_2_and_4_ranks(tmp_path_factory):
+    """Three saves on 2 and on 4 ranks: per world, its directory and what rank 1
+    received during the first save and during a steady one."""
+    out = {}
+    for world in (2, 4):
+        root = tmp_path_factory.mktemp(f"world{world}")
+        run_ranks(world, _steady_saves, str(root))
+        out[world] = (root, json.loads((root / "received.json").read_text()))
+    return out
+
+
+def test_what_a_rank_receives_per_unchanged_save_does_not_grow_with_the_ranks(
+    received_on_2_and_4_ranks,
+):
     """Coordination per steady-state save: each rank but rank 0 receives the same bytes
     in the same torch.distributed calls on 2 ranks as on 4 (at 16,384 ranks an
     all-gather of even 100 bytes per rank would send 1.6 MB to every rank, 27 GB in all,
     every save)."""
     seen = {}
-    for world in (2, 4):
-        root = tmp_path / f"world{world}"
-        root.mkdir()
-        run_ranks(world, _steady_saves, str(root))
-        seen[world] = json.loads((root / "received.json").read_text())["steady"]
+    for world, (root, received) in received_on_2_and_4_ranks.items():
+        seen[world] = received["steady"]
         for step in range(3):
             assert shardpoint.verify(root / f"step{step}").ok
     assert seen[2] == seen[4]
@@ -136,18 +148,15 @@ def test_what_a_rank_receives_per_unchanged_save_does_not_grow_with_the_ranks(tm
     assert sum(n for _, n in seen[2]) < 100
 
 
-def test_what_a_rank_receives_to_plan_a_save_does_not_grow_with_the_ranks(tmp_path):
+def test_what_a_rank_receives_to_plan_a_save_does_not_grow_with_the_ranks(
+    received_on_2_and_4_ranks,
+):
     """The first save (and any after a change) gathers every rank's structure to rank
     0 alone, each distinct one once (here every rank holds the same 50 replicated
     tensors), and each rank receives only its own writes: on 4 ranks rank 1 receives
     no more than on 2 (its share of the replicated tensors shrinks), and no all-gather
     sends it every rank's structure."""
-    seen = {}
-    for world in (2, 4):
-        root = tmp_path / f"world{world}"
-        root.mkdir()
-        run_ranks(world, _steady_saves, str(root))
-        seen[world] = json.loads((root / "received.json").read_text())["first"]
+    seen = {world: received["first"] for world, (_, received) in received_on_2_and_4_ranks.items()}
     for world, log in seen.items():
         assert "all_gather" not in [name for name, _ in log], (world, log)
     assert sum(n for _, n in seen[4]) <= sum(n for _, n in seen[2]), seen
