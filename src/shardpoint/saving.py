@@ -426,10 +426,13 @@ def _agree_and_plan(
     of the directory."""
     me = dist.rank()
     replicated = [h for h in holdings if h.replicated]
-    facts = [own, sum(h.nbytes for h in holdings if _writes(h, me)), dist.node_rank()]
-    facts.append(dist.is_node_leader())
-    structure = {"replicated": [h.to_json() for h in replicated], "aliases": aliases}
-    structure["sharded"] = sharded
+    sole_bytes = sum(h.nbytes for h in holdings if _writes(h, me))
+    facts = [own, sole_bytes, dist.node_rank(), dist.is_node_leader()]
+    structure = {
+        "replicated": [h.to_json() for h in replicated],
+        "aliases": aliases,
+        "sharded": sharded,
+    }
     error = f"rank {me}: {own_error}" if own_error else None
     failed, gathered = dist.gather_distinct_json(facts, structure, error, 0, group)
     if failed and commit_ is not None:
