@@ -22,9 +22,10 @@ Also a save's planning on a structure change under DDP (every rank holding the s
 1,000 replicated tensors): what each rank receives, before (an all-gather of every
 rank's structure) and now (its own writes from rank 0's plan).
 
-Also the planning of shared reads (``load(..., share_reads=True)``) at 4,096 ranks:
-what each rank receives, before (every rank's region list) and now (digests, and its
-own part of rank 0's plan).
+Also the planning of shared reads (``load(..., share_reads=True)``) at 4,096 ranks
+(DDP, HSDP, FSDP resharded 4,096 -> 3,072): before, rank 0 received each distinct
+piece list and planned every chunk; now each chunk's coordinator plans it, and the
+figures are the busiest coordinator's and the largest part a rank receives.
 
     python bench/bench_plan_scale.py [--ranks 16384] [--quick]
 """
@@ -267,34 +268,66 @@ def parse_case(raw: bytes) -> dict[str, float]:
     return {"bytes": len(raw), "json_loads_s": loads, "parse_s": time.perf_counter() - start}
 
 
-def shared_reads_case(ranks: int, regions: int, replicas: int) -> dict[str, float]:
-    """``load(..., share_reads=True)`` planning: what each rank receives, and rank 0's
-    planning time. ``replicas`` ranks need each shard (DDP: every rank; HSDP: a replica
-    group); before, every rank received every rank's region list (one all-gather)."""
-    from shardpoint.shared_reads import assign_readers
+def shared_plan_case(wanted: list[list[list]]) -> dict[str, float]:
+    """``load(..., share_reads=True)`` planning of ranks that need ``wanted[r]`` (pieces
+    ``[chunk key, lo, hi, bytes]``), with the library's coordinators and planner; the
+    all-to-alls are not run, their payloads measured. Before, rank 0 received each
+    distinct list and planned every chunk."""
+    from shardpoint.shared_reads import assign_readers, coordinator
 
-    groups = ranks // replicas  # distinct lists: one per shard group
-    lists = {
-        f"g{g}": [
-            [f"w{i}|[{g * 64}, 0]", [g * 64, 0], [g * 64 + 64, 128], 64 * 128 * 4]
-            for i in range(regions)
-        ]
-        for g in range(groups)
-    }
-    digests = [f"g{r % groups}" for r in range(ranks)]
-    list_bytes = len(json.dumps(lists["g0"]))
+    world = len(wanted)
+    distinct = {id(lst): lst for lst in wanted}  # DDP: one list object for every rank
+    told = [[[] for _ in range(world)] for _ in range(world)]  # [coordinator][rank]
+    for rank, items in enumerate(wanted):
+        for item in items:
+            told[coordinator(item[0], world)][rank].append(item)
+    received = [0] * world  # bytes of plan each rank receives
+    told_bytes, plan_s = [], []
     with gc_paused():  # as inside load()
-        start = time.perf_counter()
-        parts = assign_readers(lists, digests)
-        plan_s = time.perf_counter() - start
-    facts = ranks * len(json.dumps({"error": None, "digest": "0123456789abcdef"}))  # to rank 0
-    ask = len(json.dumps([None, True]))  # rank 0's answer: the first error, send your list?
+        for c in range(world):
+            told_bytes.append(sum(len(json.dumps(lst)) for lst in told[c]))
+            start = time.perf_counter()
+            parts = assign_readers(told[c], c)
+            plan_s.append(time.perf_counter() - start)
+            for r, part in enumerate(parts):
+                received[r] += len(json.dumps(part))
     return {
-        "before_bytes_per_rank": ranks * list_bytes,
-        "after_rank0_bytes": groups * list_bytes + facts,
-        "after_bytes_per_rank": ask + max(len(json.dumps(p)) for p in parts[:replicas]),
-        "rank0_plan_s": plan_s,
+        "pieces": sum(len(lst) for lst in wanted),
+        "before_rank0_bytes": sum(len(json.dumps(lst)) for lst in distinct.values()),
+        "coordinator_max_bytes": max(told_bytes),
+        "coordinator_max_plan_s": max(plan_s),
+        "all_coordinators_plan_s": sum(plan_s),
+        "max_part_bytes": max(received),
+        "sizes_bytes": 2 * 8 * world,  # each all-to-all's sizes: one integer per rank
     }
+
+
+def replicated_pieces(ranks: int, regions: int, replicas: int) -> list[list[list]]:
+    """``replicas`` ranks need each shard (DDP: every rank; HSDP: a replica group)."""
+    groups = ranks // replicas
+    lists = [
+        [[f"w{i}|[{g * 64}, 0]", [g * 64, 0], [g * 64 + 64, 128], 64 * 128 * 4]
+         for i in range(regions)]
+        for g in range(groups)
+    ]  # fmt: skip
+    return [lists[r % groups] for r in range(ranks)]
+
+
+def resharded_pieces(saved: int, loaded: int, params: int) -> list[list[list]]:
+    """FSDP ``saved`` -> ``loaded`` ranks, 4 rows per saved chunk: every rank's pieces
+    differ."""
+    rows, cols = 4 * saved, 128
+    per = -(-rows // loaded)  # DTensor's Shard(0): ceil-sized pieces, the last shorter
+    wanted = []
+    for r in range(loaded):
+        lo, hi = min(r * per, rows), min((r + 1) * per, rows)
+        wanted.append([
+            [f"w{i}|[{4 * c}, 0]", [max(lo, 4 * c), 0], [min(hi, 4 * c + 4), cols],
+             (min(hi, 4 * c + 4) - max(lo, 4 * c)) * cols * 4]
+            for i in range(params)
+            for c in range(lo // 4, -(-hi // 4))
+        ])  # fmt: skip
+    return wanted
 
 
 def ddp_replan_case(ranks: int, params: int) -> dict[str, float]:
@@ -320,36 +353,6 @@ def ddp_replan_case(ranks: int, params: int) -> dict[str, float]:
         "after_rank0_bytes": ranks * told + structure_bytes,
         "after_bytes_per_rank": len(json.dumps([None, False]))
         + max(len(json.dumps(p)) for p in job.parts),
-        "rank0_plan_s": plan_s,
-    }
-
-
-def shared_reshard_case(saved: int, loaded: int, params: int) -> dict[str, float]:
-    """``load(..., share_reads=True)`` planning when the ranks are cut differently than at
-    save (FSDP ``saved`` -> ``loaded`` ranks, 4 rows per saved chunk): every rank's piece
-    list differs, so rank 0 receives all of them."""
-    from shardpoint.shared_reads import assign_readers
-
-    rows, cols = 4 * saved, 128
-    per = -(-rows // loaded)  # DTensor's Shard(0): ceil-sized pieces, the last shorter
-    lists = {}
-    for r in range(loaded):
-        lo, hi = min(r * per, rows), min((r + 1) * per, rows)
-        lists[f"r{r}"] = [
-            [f"w{i}|[{4 * c}, 0]", [max(lo, 4 * c), 0], [min(hi, 4 * c + 4), cols],
-             (min(hi, 4 * c + 4) - max(lo, 4 * c)) * cols * 4]
-            for i in range(params)
-            for c in range(lo // 4, -(-hi // 4))
-        ]  # fmt: skip
-    digests = list(lists)
-    with gc_paused():  # as inside load()
-        start = time.perf_counter()
-        parts = assign_readers(lists, digests)
-        plan_s = time.perf_counter() - start
-    return {
-        "rank0_bytes": sum(len(json.dumps(lst)) for lst in lists.values()),
-        "pieces": sum(len(lst) for lst in lists.values()),
-        "max_bytes_per_rank": max(len(json.dumps(p)) for p in parts),
         "rank0_plan_s": plan_s,
     }
 
@@ -407,16 +410,6 @@ def main() -> None:
             f"\nparse {label}: {r['bytes'] / 1e6:.1f} MB in {r['parse_s']:.2f} s "
             f"(json.loads alone {r['json_loads_s']:.2f} s)"
         )
-    shared_ranks = 1024 if args.quick else 4096
-    for label, replicas in (("DDP", shared_ranks), ("HSDP, 2 replicas", 2)):
-        r = shared_reads_case(shared_ranks, 500, replicas)
-        results[f"shared_reads {label}"] = r
-        print(
-            f"\nshared reads, {label}: {shared_ranks:,} ranks x 500 pieces: each rank "
-            f"received {r['before_bytes_per_rank'] / 1e6:.1f} MB before, now "
-            f"{r['after_bytes_per_rank'] / 1e6:.2f} MB (rank 0: "
-            f"{r['after_rank0_bytes'] / 1e6:.2f} MB in, plans in {r['rank0_plan_s']:.2f} s)"
-        )
     r = ddp_replan_case(ranks, 1000)
     results["save replan DDP"] = r
     print(
@@ -425,15 +418,23 @@ def main() -> None:
         f"{r['after_bytes_per_rank'] / 1e3:.2f} kB (rank 0: "
         f"{r['after_rank0_bytes'] / 1e6:.2f} MB in, plans in {r['rank0_plan_s']:.2f} s)"
     )
+    shared_ranks = 1024 if args.quick else 4096
     saved, loaded = (1024, 768) if args.quick else (4096, 3072)
-    r = shared_reshard_case(saved, loaded, 500)
-    results["shared_reads resharded"] = r
-    print(
-        f"\nshared reads, FSDP {saved:,} -> {loaded:,} ranks x 500 parameters: "
-        f"{r['pieces']:,} pieces; rank 0 receives {r['rank0_bytes'] / 1e6:.1f} MB and plans "
-        f"in {r['rank0_plan_s']:.2f} s; a rank receives at most "
-        f"{r['max_bytes_per_rank'] / 1e6:.2f} MB of plan"
-    )
+    for label, wanted in (
+        (f"DDP, {shared_ranks:,} ranks", replicated_pieces(shared_ranks, 500, shared_ranks)),
+        (f"HSDP, 2 replicas, {shared_ranks:,} ranks", replicated_pieces(shared_ranks, 500, 2)),
+        (f"FSDP {saved:,} -> {loaded:,} ranks", resharded_pieces(saved, loaded, 500)),
+    ):
+        r = shared_plan_case(wanted)
+        results[f"shared_reads {label}"] = r
+        print(
+            f"\nshared reads, {label} x 500 parameters: {r['pieces']:,} pieces; before, rank 0 "
+            f"received {r['before_rank0_bytes'] / 1e6:.2f} MB and planned every chunk. Now the "
+            f"busiest coordinator receives {r['coordinator_max_bytes'] / 1e6:.2f} MB and plans "
+            f"in {r['coordinator_max_plan_s']:.3f} s (all of them: "
+            f"{r['all_coordinators_plan_s']:.2f} s); a rank receives at most "
+            f"{r['max_part_bytes'] / 1e6:.2f} MB of plan + {r['sizes_bytes'] / 1e3:.0f} kB of sizes"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
 

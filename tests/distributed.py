@@ -138,6 +138,7 @@ def count_received(log: list[tuple[str, int]]) -> None:
     received = {
         "all_gather": lambda out, *a, **k: size(out),
         "all_reduce": lambda t, *a, **k: size([t]),
+        "all_to_all_single": lambda out, *a, **k: size([out]),
         "gather": lambda t, out=None, *a, **k: size(out or []),
         "scatter": lambda t, *a, **k: size([t]),
         "broadcast": lambda t, src, *a, **k: 0 if dist.get_rank() == src else size([t]),

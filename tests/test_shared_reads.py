@@ -184,6 +184,35 @@ def test_a_fragment_one_rank_cannot_read_while_planning_fails_every_rank(saved, 
     assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
 
 
+def _load_with_a_failing_coordinator(rank: int, world: int, path: str) -> None:
+    from shardpoint import shared_reads
+
+    if rank == 1:  # this coordinator fails while planning its chunks
+
+        def failing(told, me):
+            raise RuntimeError("planner broke (injected)")
+
+        shared_reads.assign_readers = failing
+    match = "injected" if rank == 1 else "rank 1: planner broke"
+    state = _state(offset=100.0)
+    before = {
+        n: (t.full_tensor() if hasattr(t, "full_tensor") else t).clone() for n, t in state.items()
+    }
+    with pytest.raises((shardpoint.CheckpointError, RuntimeError), match=match):
+        shardpoint.load(state, path, share_reads=True)
+    for n, t in state.items():
+        assert torch.equal(t.full_tensor() if hasattr(t, "full_tensor") else t, before[n]), n
+
+
+def test_a_coordinator_that_fails_to_plan_fails_every_rank(saved, tmp_path):
+    """Every rank waits for every coordinator's answer: one that cannot plan answers
+    with its error, so every rank raises instead of waiting forever (60 s limit)."""
+    outcomes = run_ranks_outcomes(
+        4, _load_with_a_failing_coordinator, str(saved), errors=tmp_path / "errors", timeout=60
+    )
+    assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
+
+
 class _Rejecting:
     """A ``Stateful`` that refuses what it is given: the load fails after the exchange."""
 
@@ -227,78 +256,106 @@ def test_a_load_that_fails_after_the_exchange_puts_every_received_piece_back(tmp
     assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
 
 
+MANY = {f"ddp.{i}": (4,) for i in range(256)}  # enough chunks to spread evenly
+
+
 def _ddp_save(rank: int, world: int, path: str) -> None:
-    shardpoint.save({n: _full(n, s) for n, s in DDP.items()}, path)
+    shardpoint.save({n: _full(n, s) for n, s in MANY.items()}, path)
 
 
 def _ddp_load_logged(rank: int, world: int, path: str) -> None:
-    state = {n: torch.zeros(s) for n, s in DDP.items()}
+    state = {n: torch.zeros(s) for n, s in MANY.items()}
     log: list[tuple[str, int]] = []
     count_received(log)  # collectives and blocking receives; the exchange's irecv is not
     shardpoint.load(state, path, share_reads=True)
-    assert all(torch.equal(state[n], _full(n, s)) for n, s in DDP.items())
-    if rank == 1:
-        Path(f"{path}-calls").write_text(json.dumps(log))
+    assert all(torch.equal(state[n], _full(n, s)) for n, s in MANY.items())
+    Path(f"{path}-calls{rank}").write_text(json.dumps(log))
 
 
-def test_planning_a_shared_load_sends_no_rank_every_ranks_facts(tmp_path):
-    """Every rank's digest and error go to rank 0 alone (an all-gather would send each
-    rank 50 bytes per rank: 0.8 MB to every rank at 16,384): the same calls on 2 ranks
-    as on 4, none of them an all-gather."""
-    calls = {}
+def test_planning_a_shared_load_sends_no_rank_every_ranks_needs(tmp_path):
+    """No rank plans for all: under DDP every rank needs every chunk, and what the
+    busiest rank receives to plan is about the same on 4 ranks as on 2 (rank 0 planning
+    alone would receive twice as much on 4; an all-gather would send it to every rank).
+    Only the all-to-alls' sizes grow, by one integer per rank."""
+    calls, planned = {}, {}
     for world in (2, 4):
         path = tmp_path / f"w{world}"
         run_ranks(world, _ddp_save, str(path))
         run_ranks(world, _ddp_load_logged, str(path))
-        calls[world] = json.loads(Path(f"{path}-calls").read_text())
+        logs = [json.loads(Path(f"{path}-calls{r}").read_text()) for r in range(world)]
+        calls[world] = [name for name, _ in logs[1]]
+        # the payload all-to-alls: the pieces each coordinator is told, the parts it sends
+        planned[world] = max(
+            sum(n for name, n in log if name == "all_to_all_single" and n != 8 * world)
+            for log in logs
+        )
     assert (
-        [name for name, _ in calls[2]]
-        == [name for name, _ in calls[4]]
+        calls[2]
+        == calls[4]
         == [
-            "gather",  # digest and error to rank 0...
-            "send",
-            "scatter",  # ...which tells each rank the first error and whether it sends its list
-            "recv",
-            "gather",  # the lists: under DDP rank 0's alone
-            "scatter",  # this rank's part of the plan
-            "recv",
+            "all_reduce",  # did any rank fail to prepare?
+            "all_to_all_single",  # the sizes of...
+            "all_to_all_single",  # ...each rank's pieces, to each chunk's coordinator
+            "all_to_all_single",  # the sizes of...
+            "all_to_all_single",  # ...each rank's part of each coordinator's plan
             "all_reduce",  # every rank's reads verified
         ]
     ), calls
-    assert calls[2][:5] == calls[4][:5], calls  # the same bytes; a part lists its own pieces
+    assert planned[4] <= 1.25 * planned[2], planned
 
 
-def test_rank_0_plans_from_each_distinct_list_once_and_every_shared_chunk_has_one_reader():
-    """DDP: 64 ranks need the same 100 chunks, sent once as one list; HSDP: two
-    replica groups. Each shared chunk is read by exactly one of the ranks that need it,
-    which hands every other rank its piece; the reading is split evenly; a rank's part
-    lists only its own pieces."""
-    from shardpoint.shared_reads import assign_readers
+def _plan_everywhere(wanted: list[list[list]]) -> list[list]:
+    """Every coordinator's plan for the pieces each rank wants, as the ranks get it."""
+    from shardpoint.shared_reads import assign_readers, coordinator
 
-    pieces = [[f"w{i}|[0]", [0], [10], 40] for i in range(100)]
-    parts = assign_readers({"ddp": pieces}, ["ddp"] * 64)
-    for i in range(100):
-        key = f"w{i}|[0]"
+    world = len(wanted)
+    told = [[[] for _ in range(world)] for _ in range(world)]  # [coordinator][rank]
+    for rank, items in enumerate(wanted):
+        for item in items:
+            told[coordinator(item[0], world)][rank].append(item)
+    parts: list[list] = [[] for _ in range(world)]
+    for c in range(world):
+        for rank, part in enumerate(assign_readers(told[c], c)):
+            parts[rank].extend(part)
+    return parts
+
+
+def _check_one_reader_each(parts: list[list], keys: list[str]) -> list[int]:
+    """Each key is read by exactly one rank, which sends every other rank that needs
+    it a piece under a tag that rank expects from it and from no other piece; returns
+    the reads per rank."""
+    for key in keys:
         reads = [
             (r, item) for r, part in enumerate(parts) for item in part if item[:2] == ["read", key]
         ]
-        assert len(reads) == 1
-        reader, (_, _, lo, hi, sends) = reads[0]
-        assert (lo, hi) == ([0], [10]) and sorted(r for _, r, _, _ in sends) == list(range(64))
-        for tag, r, _, _ in sends:
+        assert len(reads) == 1, key
+        reader, (_, _, _, _, sends) = reads[0]
+        assert reader in [r for _, r, _, _ in sends], key  # a rank that needs it
+        for tag, r, lo, hi in sends:
             if r != reader:
-                assert ["receive", tag, key, [0], [10], reader] in parts[r]
-    assert all(len(part) == 100 for part in parts)  # its own pieces, not ranks × pieces
-    reads_per_rank = [sum(item[0] == "read" for item in part) for part in parts]
-    assert max(reads_per_rank) - min(reads_per_rank) <= 1
+                assert ["receive", tag, key, lo, hi, reader] in parts[r]
+    for r, part in enumerate(parts):
+        tags = [(item[5], item[1]) for item in part if item[0] == "receive"]
+        assert len(tags) == len(set(tags)), f"rank {r} expects two pieces under one tag"
+    return [sum(item[0] == "read" for item in part) for part in parts]
+
+
+def test_every_shared_chunk_has_one_reader_and_the_reading_is_split():
+    """DDP: 64 ranks need the same 1,000 chunks; each is read by exactly one of them,
+    which hands every other rank its piece; the reading is split evenly although each
+    coordinator plans only its own ~16 chunks; a rank's part lists only its own
+    pieces. HSDP: each replica group's chunk is read by one of its two ranks."""
+    keys = [f"w{i}|[0]" for i in range(1000)]
+    parts = _plan_everywhere([[[k, [0], [10], 40] for k in keys]] * 64)
+    reads = _check_one_reader_each(parts, keys)
+    assert all(len(part) == 1000 for part in parts)  # its own pieces, not ranks × pieces
+    assert max(reads) <= 2 * 1000 / 64, reads
 
     shard_a = [["w|[0]", [0], [5], 20]]
     shard_b = [["w|[5]", [5], [10], 20]]
-    parts = assign_readers({"a": shard_a, "b": shard_b}, ["a", "b", "a", "b"])
-    assert parts[0] == [["read", "w|[0]", [0], [5], [[0, 0, [0], [5]], [0, 2, [0], [5]]]]]
-    assert parts[2] == [["receive", 0, "w|[0]", [0], [5], 0]]
-    assert parts[1] == [["read", "w|[5]", [5], [10], [[0, 1, [5], [10]], [0, 3, [5], [10]]]]]
-    assert parts[3] == [["receive", 0, "w|[5]", [5], [10], 1]]
+    parts = _plan_everywhere([shard_a, shard_b, shard_a, shard_b])
+    reads = _check_one_reader_each(parts, ["w|[0]", "w|[5]"])
+    assert reads[0] + reads[2] == reads[1] + reads[3] == 1, reads  # one in each group
 
 
 def test_a_chunk_two_ranks_need_different_parts_of_is_read_once_covering_both():
@@ -309,8 +366,8 @@ def test_a_chunk_two_ranks_need_different_parts_of_is_read_once_covering_both():
 
     left = [["t|[0, 0]", [0, 0], [4, 3], 48], ["u|[0]", [0], [8], 32]]
     right = [["t|[0, 0]", [0, 3], [4, 6], 48]]
-    parts = assign_readers({"l": left, "r": right}, ["l", "r"])
+    parts = assign_readers([left, right], 0)  # as coordinator 0 of two ranks
     assert parts[0] == [
-        ["read", "t|[0, 0]", [0, 0], [4, 6], [[0, 0, [0, 0], [4, 3]], [1, 1, [0, 3], [4, 6]]]]
+        ["read", "t|[0, 0]", [0, 0], [4, 6], [[0, 0, [0, 0], [4, 3]], [2, 1, [0, 3], [4, 6]]]]
     ]
-    assert parts[1] == [["receive", 1, "t|[0, 0]", [0, 3], [4, 6], 0]]
+    assert parts[1] == [["receive", 2, "t|[0, 0]", [0, 3], [4, 6], 0]]

@@ -388,22 +388,23 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "shared-load facts all-gathered",
+        "shared reads planned by rank 0 alone",
         "what a rank receives does not grow with the ranks (loads that share reads)",
         "src/shardpoint/shared_reads.py",
-        "    facts = dist.gather_json(\n"
-        '        {"error": f"rank {dist.rank()}: {error}" if error else None,'
-        ' "digest": digest}, 0, group\n'
-        "    )\n",
-        "    facts = dist.all_gather_json(\n"
-        '        {"error": f"rank {dist.rank()}: {error}" if error else None,'
-        ' "digest": digest}, group\n'
-        "    )\n"
-        "    facts = facts if dist.rank() == 0 else None\n",
+        "    return xxhash.xxh3_64_intdigest(key.encode()) % world\n",
+        "    return 0\n",
         (
             "tests/test_shared_reads.py::"
-            "test_planning_a_shared_load_sends_no_rank_every_ranks_facts",
+            "test_planning_a_shared_load_sends_no_rank_every_ranks_needs",
         ),
+    ),
+    Mutation(
+        "coordinator failure not told",
+        "a failure on one rank fails every rank (shared reads, planning)",
+        "src/shardpoint/shared_reads.py",
+        "    except Exception as exc:\n        failure = exc\n",
+        "    except Exception as exc:\n        raise exc\n",
+        ("tests/test_shared_reads.py::test_a_coordinator_that_fails_to_plan_fails_every_rank",),
     ),
     Mutation(
         "buffered piece without an undo copy",
@@ -536,9 +537,9 @@ MUTATIONS = [
         "reads not shared",
         "each stored byte read once (share_reads)",
         "src/shardpoint/shared_reads.py",
-        "    for key, boxes in needs.items():"
-        "  # in the order rank 0 met them: the same on a rerun\n",
-        "    for key, boxes in {}.items():\n",
+        "    for n, (key, boxes) in enumerate(needs.items()):"
+        "  # in the order met: the same on a rerun\n",
+        "    for n, (key, boxes) in enumerate({}.items()):\n",
         (
             "tests/test_shared_reads.py::"
             "test_a_two_replica_two_shard_load_reads_each_byte_from_storage_once",

@@ -155,17 +155,6 @@ def gather_json(value: Any, dst: int = 0, group: Any = None) -> list[Any] | None
     return None if payloads is None else [json.loads(p) for p in payloads]
 
 
-def gather_some_json(value: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
-    """Like ``gather_json``, for when most ranks have nothing to send (``value`` None,
-    which sends no bytes at all)."""
-    if not is_distributed():
-        return [value]
-    group = _cpu_group() if group is None else group
-    payload = b"" if value is None else json.dumps(value).encode()
-    payloads = _gather_bytes(payload, dst, group)
-    return None if payloads is None else [json.loads(p) if p else None for p in payloads]
-
-
 def gather_distinct_json(
     facts: Any, value: Any, error: str | None, dst: int = 0, group: Any = None
 ) -> tuple[str | None, list[tuple[Any, Any]] | None]:
@@ -257,6 +246,31 @@ def scatter_plan(plan: Callable[[], list[Any]] | None, src: int = 0, group: Any 
         raise
     _scatter_payloads(payloads, src, group)
     return parts[src]
+
+
+def all_to_all_json(values: list[Any], group: Any = None) -> list[Any]:
+    """Send ``values[r]`` to rank ``r``, for every rank at once; returns what each rank
+    sent this one, in rank order. One all-to-all of the sizes (one integer per rank),
+    then one of the payloads: a rank receives what was addressed to it, nothing padded
+    to the longest payload."""
+    if not is_distributed():
+        return list(values)
+    group = _cpu_group() if group is None else group
+    payloads = [json.dumps(v).encode() for v in values]
+    sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
+    theirs = torch.empty_like(sizes)
+    dist.all_to_all_single(theirs, sizes, group=group)
+    received = torch.empty(int(theirs.sum()), dtype=torch.uint8)
+    # frombuffer refuses an empty buffer: nothing to send is one byte, none of it sent
+    sent = torch.frombuffer(bytearray(b"".join(payloads)) or bytearray(1), dtype=torch.uint8)
+    counts = theirs.tolist()
+    dist.all_to_all_single(received, sent[: int(sizes.sum())], counts, sizes.tolist(), group=group)
+    raw = received.numpy().tobytes()
+    out, at = [], 0
+    for n in counts:
+        out.append(json.loads(raw[at : at + n]))
+        at += n
+    return out
 
 
 def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:

@@ -7,12 +7,14 @@ of them reading it alone makes storage serve the chunk once per rank that needs 
 it — a column slice of a chunk costs whole rows, since checksums cover whole rows.
 
 With sharing the unit is the stored chunk. Every rank lists the pieces it needs (a
-chunk and the box of it); rank 0 learns each *distinct* list once and plans: each chunk
-several ranks need is read and verified by one of them — the least loaded so far, so
-the reading is split — once, covering the rows all of them need, and each piece is sent
-to its rank over ``torch.distributed`` after every rank reported its reads verified (a
-small all-reduce). Every rank must call ``load`` with it, so it is opt-in;
-``CheckpointManager.restore`` uses it when bytes may come from the object store.
+chunk and the box of it) and sends each to the chunk's coordinator (the rank its key
+hashes to); each coordinator has each of its chunks that several ranks need read and
+verified by one of them — the least loaded, so the reading is split — once, covering
+the rows all of them need, and each piece is sent to its rank over
+``torch.distributed`` after every rank reported its reads verified (a small
+all-reduce). Planning is spread like the reading: no rank learns every rank's needs.
+Every rank must call ``load`` with it, so it is opt-in; ``CheckpointManager.restore``
+uses it when bytes may come from the object store.
 
 The exchange runs on the CPU (gloo) group: a piece for a GPU destination arrives in a
 host buffer and is copied in, after every rank's reads verified, like any read for a
@@ -21,7 +23,6 @@ GPU destination.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,13 +88,15 @@ def plan_shared_reads(
 ) -> SharedReads:
     """Agree with every rank on who reads each stored chunk several ranks need, and
     take the pieces other ranks read for this one out of ``reads``. Raises on every
-    rank if any rank failed to prepare its load (``error``, and no ``reads``).
+    rank if any rank failed to prepare its load (``error``, and no ``reads``) or to
+    plan its share.
 
-    What a rank other than rank 0 receives does not grow with the ranks: every rank
-    sends rank 0 a digest of its piece list and any error; rank 0 tells each rank the
-    first error and whether it speaks for its list, receives each *distinct* list once
-    (under DDP all ranks need the same pieces: one list), plans, and each rank
-    receives only its own part of the plan."""
+    No rank plans for all: each stored chunk has a coordinator, the rank its key hashes
+    to. Every rank sends each coordinator the pieces it needs of that coordinator's
+    chunks, each coordinator picks the readers of its chunks, and tells each rank what
+    it reads and hands out and what it receives from whom (two all-to-alls). What a rank
+    sends and receives is its own pieces and its share of the chunks: it grows with
+    the ranks by one integer per rank (the sizes), not with ranks x tensors."""
     pieces: dict[tuple[str, Box], list[Region]] = {}
     stored: dict[str, Any] = {}
     wanted: list[list[Any]] = []
@@ -102,28 +105,25 @@ def plan_shared_reads(
             pieces, stored, wanted = _pieces(reads)
         except Exception as exc:
             error = exc
-    digest = xxhash.xxh3_64_hexdigest(json.dumps(wanted).encode())
-    facts = dist.gather_json(
-        {"error": f"rank {dist.rank()}: {error}" if error else None, "digest": digest}, 0, group
-    )
-    asks = digests = None
-    if facts is not None:  # rank 0: the first error, and who speaks for each distinct list
-        failed = next((f["error"] for f in facts if f["error"]), None)
-        digests = [f["digest"] for f in facts]
-        speaker: dict[str, int] = {}
-        for r, d in enumerate(digests):
-            speaker.setdefault(d, r)
-        asks = [[failed, speaker[d] == r] for r, d in enumerate(digests)]
-    failed, speaks = dist.scatter_json(asks, 0, group)
-    _raise_if_failed(error, [failed], where)
-    lists = dist.gather_some_json(wanted if speaks else None, 0, group)
-
-    def plan() -> list[list[Any]]:
-        assert lists is not None and digests is not None
-        distinct = {digests[r]: lst for r, lst in enumerate(lists) if lst is not None}
-        return assign_readers(distinct, digests)
-
-    part = dist.scatter_plan(plan if lists is not None else None, 0, group)
+    agree(error, where, group)
+    me, world = dist.rank(), dist.world_size()
+    asks: list[list[Any]] = [[] for _ in range(world)]
+    for item in wanted:
+        asks[coordinator(item[0], world)].append(item)
+    told = dist.all_to_all_json(asks, group)
+    failure: Exception | None = None
+    try:
+        answers = [[None, part] for part in assign_readers(told, me)]
+    except Exception as exc:
+        failure = exc
+        answers = [[f"rank {me}: {exc}", None]] * world
+    replies = dist.all_to_all_json(answers, group)
+    if failure is not None:
+        raise failure
+    failed = next((e for e, _ in replies if e is not None), None)
+    if failed is not None:
+        raise CheckpointError(f"{where}: another rank could not plan the shared reads: {failed}")
+    part = [item for _, items in replies for item in items]
     assert reads is not None or not part
     me = dist.rank()
     plan = SharedReads()
@@ -194,38 +194,46 @@ def _pieces(
     return pieces, stored, wanted
 
 
-def assign_readers(distinct: dict[str, list[list[Any]]], digests: list[str]) -> list[list[Any]]:
-    """Rank 0's plan. ``distinct``: each distinct piece list (``[chunk key, lo, hi,
-    bytes]``) by digest; ``digests``: each rank's. Each chunk several ranks need is
-    read by the least loaded of them so far, so the reading is split.
+def coordinator(key: str, world: int) -> int:
+    """The rank that assigns the reader of the stored chunk ``key``: chunks spread
+    evenly over the ranks, and every rank finds a chunk's coordinator alone."""
+    return xxhash.xxh3_64_intdigest(key.encode()) % world
+
+
+def assign_readers(told: list[list[list[Any]]], me: int) -> list[list[Any]]:
+    """Coordinator ``me``'s plan for its chunks. ``told[r]``: the pieces rank ``r`` needs
+    of them (``[chunk key, lo, hi, bytes]``). Each chunk several ranks need is read by
+    the least loaded of them (by what this coordinator gave them so far), ties broken
+    in a rotation that starts at a different rank per coordinator and chunk, so the
+    reading is split even when each coordinator has a chunk or two.
 
     Returns each rank's part: ``["read", chunk key, lo, hi, [[tag, rank, lo, hi], ...]]``
     where it reads (the rows of the box ``[lo, hi)`` bounding every piece, and the
     pieces to hand out, its own among them), ``["receive", tag, chunk key, lo, hi,
-    reader]`` where it receives. A tag numbers the boxes one reader hands out."""
-    ranks_of: dict[str, list[int]] = {}
-    for rank, d in enumerate(digests):
-        ranks_of.setdefault(d, []).append(rank)
+    reader]`` where it receives. A tag numbers the boxes one reader hands out: the
+    coordinator's count for that reader, times the ranks, plus the coordinator, so tags
+    from different coordinators never meet."""
+    world = len(told)
     # chunk key -> [[lo, hi, ranks needing that box], ...] (usually one box: replicas)
     needs: dict[str, list[list[Any]]] = {}
     sizes: dict[str, int] = {}  # chunk key -> bytes of its first box
-    for d, ranks in ranks_of.items():
-        for key, lo, hi, nbytes in distinct[d]:
+    for rank, items in enumerate(told):
+        for key, lo, hi, nbytes in items:
             boxes = needs.get(key)
             if boxes is None:
-                needs[key] = [[lo, hi, ranks]]
+                needs[key] = [[lo, hi, [rank]]]
                 sizes[key] = nbytes
                 continue
             for box in boxes:
                 if box[0] == lo and box[1] == hi:
-                    box[2] = sorted(box[2] + ranks)
+                    box[2].append(rank)  # ranks come in order: the list stays sorted
                     break
             else:
-                boxes.append([lo, hi, ranks])
-    load = [0] * len(digests)
-    served = [0] * len(digests)  # boxes each reader hands out so far: its next tag
-    parts: list[list[Any]] = [[] for _ in digests]
-    for key, boxes in needs.items():  # in the order rank 0 met them: the same on a rerun
+                boxes.append([lo, hi, [rank]])
+    load: dict[int, int] = {}
+    served: dict[int, int] = {}  # boxes each reader hands out so far: its next count
+    parts: list[list[Any]] = [[] for _ in range(world)]
+    for n, (key, boxes) in enumerate(needs.items()):  # in the order met: the same on a rerun
         nbytes = sizes[key]
         if len(boxes) == 1:
             lo, hi, ranks = boxes[0]
@@ -238,14 +246,17 @@ def assign_readers(distinct: dict[str, list[list[Any]]], digests: list[str]) -> 
             lo = [min(d) for d in zip(*(box[0] for box in boxes))]
             hi = [max(d) for d in zip(*(box[1] for box in boxes))]
             nbytes = nbytes // first * math.prod(b - a for a, b in zip(lo, hi))
-        reader = min(ranks, key=load.__getitem__)  # the first of equals: the lowest rank
-        load[reader] += nbytes
+        turn = (me + n) % len(ranks)
+        reader = min(ranks[turn:] + ranks[:turn], key=lambda r: load.get(r, 0))
+        load[reader] = load.get(reader, 0) + nbytes
         sends = []
         for blo, bhi, rs in boxes:
             # A rank receives a box once: the reader's count of boxes tells its messages
-            # apart, and tags stay below the pieces one rank reads.
-            tag = served[reader]
-            served[reader] += 1
+            # apart.
+            tag = served.get(reader, 0) * world + me
+            served[reader] = served.get(reader, 0) + 1
+            if _TAGS + tag > _MAX_TAG:
+                raise ValueError(f"more pieces than tags: {key!r} needs tag {tag}")
             for r in rs:
                 sends.append([tag, r, blo, bhi])
                 if r != reader:
@@ -296,6 +307,7 @@ def exchange(plan: SharedReads, undo: Undo, group: Any) -> None:
 # The exchange's tags start here: apart from the untagged (0) messages of the gathers
 # and the save's relay, should an exchange that failed leave a receive posted.
 _TAGS = 1 << 16
+_MAX_TAG = (1 << 31) - 1  # gloo's tags are 32-bit
 
 
 def _piece(source: _Source, box: Box) -> torch.Tensor:
