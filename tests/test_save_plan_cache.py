@@ -19,7 +19,7 @@ def _count_collectives(log: list[tuple[str, int]]) -> None:
     for name in (
         "all_gather_json",
         "gather_json",
-        "gather_some_json",
+        "all_to_all_json",
         "gather_distinct_json",
         "scatter_json",
         "scatter_plan",
