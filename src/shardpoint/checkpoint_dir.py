@@ -7,6 +7,7 @@ before reading a single tensor byte.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,13 +52,16 @@ class CommittedCheckpoint:
     def where(self) -> str:
         return self.storage.where
 
-    def chunks(self, entry: TensorEntry, lo: tuple[int, ...], hi: tuple[int, ...]) -> list[Chunk]:
-        """The stored chunks of ``entry`` that may overlap the box ``[lo, hi)``. For an
-        entry described by its sharding, only the writers of those chunks' fragments
-        are read (a rank loading its own shard reads one)."""
+    def chunks(
+        self, entry: TensorEntry, lo: tuple[int, ...], shape: Sequence[int]
+    ) -> Sequence[Chunk]:
+        """The stored chunks of ``entry`` that may overlap the box of ``shape`` at
+        ``lo``. For an entry described by its sharding, only the writers of those
+        chunks' fragments are read (a rank loading its own shard reads one)."""
         sharding = self.index.shardings.get(entry.name)
         if sharding is None:
-            return list(entry.chunks)
+            return entry.chunks
+        hi = tuple(o + n for o, n in zip(lo, shape))
         out = []
         for coord in sharding.overlapping(entry.shape, lo, hi):
             rank = sharding.writer(coord)

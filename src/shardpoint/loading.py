@@ -129,10 +129,12 @@ def _prepare(
     if strict and m.unexpected:
         problems.append(f"in the checkpoint but not in the state: {_some(m.unexpected)}")
     differ = []
+    parts = []
     for name, dest in m.destinations.items():
         entry = ckpt.index.resolve(name)
-        shape = local_part(plain(dest), name)[1]  # global; a rank's own in dist.solo()
-        if tuple(shape) != entry.shape or dest.dtype != DTYPES[entry.dtype]:
+        part, shape, offsets = local_part(plain(dest), name)  # shape: global (a rank's own
+        parts.append((name, part, offsets))  # in dist.solo())
+        if shape != entry.shape or dest.dtype != DTYPES[entry.dtype]:
             differ.append(
                 f"{name!r}: checkpoint has {entry.dtype}{list(entry.shape)}, state has "
                 f"{dest.dtype}{list(shape)}"
@@ -151,8 +153,8 @@ def _prepare(
             "strict=False to skip missing/unexpected keys."
         )
     reads = ReadPlan(ckpt)
-    for name, dest in m.destinations.items():
-        reads.into(name, dest, live=True)
+    for name, part, offsets in parts:
+        reads.into_region(name, part, offsets, live=True)
     loaded = {name: reads.fresh(name) for name in m.materialize}
     return ckpt, m, reads, loaded
 
@@ -293,7 +295,9 @@ class ReadPlan:
             nonlocal batch_bytes
             if p.chunk.file not in batches[-1]:  # checked once per file
                 self.ckpt.check_header(p.chunk.file)
-            if batch_bytes >= UNDO_BATCH_BYTES:
+            # The first batch's undo copy runs before any read: batches start small and
+            # double, so that it is short and every later one overlaps the reads.
+            if batch_bytes >= min(UNDO_BATCH_BYTES, FIRST_UNDO_BATCH_BYTES << (len(batches) - 1)):
                 batches.append({})
                 batch_bytes = 0
             batches[-1].setdefault(p.chunk.file, []).append(segment)
@@ -304,8 +308,7 @@ class ReadPlan:
         for name, regions in self.regions.items():
             entry = self.ckpt.index.entries[name]
             for region in regions:
-                hi = tuple(o + n for o, n in zip(region.offsets, region.tensor.shape))
-                for chunk in self.ckpt.chunks(entry, region.offsets, hi):
+                for chunk in self.ckpt.chunks(entry, region.offsets, region.tensor.shape):
                     if skipped and (id(region), chunk.offsets) in skipped:
                         continue
                     read = self._plan_chunk(entry, chunk, region, verify)
@@ -397,6 +400,7 @@ class ReadPlan:
 # Reads go in batches of this many bytes, each one's undo copy taken while the batch
 # before it is read (docs/benchmarks.md measures what the undo copy costs).
 UNDO_BATCH_BYTES = 256 * 1024 * 1024
+FIRST_UNDO_BATCH_BYTES = 8 * 1024 * 1024
 UNDO_PIECE_BYTES = 32 * 1024 * 1024
 
 

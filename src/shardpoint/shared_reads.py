@@ -178,8 +178,7 @@ def _pieces(
         size = itemsize(entry.dtype)
         for r in regions:
             shape = tuple(r.tensor.shape)
-            top = tuple(o + n for o, n in zip(r.offsets, shape))
-            for chunk in reads.ckpt.chunks(entry, r.offsets, top):
+            for chunk in reads.ckpt.chunks(entry, r.offsets, shape):
                 box = overlap(r.offsets, shape, chunk.offsets, chunk.shape)
                 if box is None:
                     continue  # no overlap (or empty: nothing to read)
