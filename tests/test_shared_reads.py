@@ -213,6 +213,39 @@ def test_a_coordinator_that_fails_to_plan_fails_every_rank(saved, tmp_path):
     assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
 
 
+def _load_where_rank_2_cannot_take_its_part(rank: int, world: int, path: str) -> None:
+    from shardpoint import shared_reads
+
+    if rank == 2:  # after every coordinator answered: the other ranks go on to read
+
+        def failing(*args):
+            raise RuntimeError("part broke (injected)")
+
+        shared_reads._take_part = failing
+    match = "injected" if rank == 2 else "rank 2: part broke"
+    state = _state(offset=100.0)
+    before = {
+        n: (t.full_tensor() if hasattr(t, "full_tensor") else t).clone() for n, t in state.items()
+    }
+    with pytest.raises((shardpoint.CheckpointError, RuntimeError), match=match):
+        shardpoint.load(state, path, share_reads=True)
+    for n, t in state.items():
+        assert torch.equal(t.full_tensor() if hasattr(t, "full_tensor") else t, before[n]), n
+
+
+def test_a_rank_that_cannot_take_its_part_of_the_plan_fails_every_rank(saved, tmp_path):
+    """The plan is agreed; one rank then fails to take its part: its error joins the
+    agreement every rank reaches after its reads (60 s limit), and nothing changes."""
+    outcomes = run_ranks_outcomes(
+        4,
+        _load_where_rank_2_cannot_take_its_part,
+        str(saved),
+        errors=tmp_path / "errors",
+        timeout=60,
+    )
+    assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
+
+
 class _Rejecting:
     """A ``Stateful`` that refuses what it is given: the load fails after the exchange."""
 

@@ -407,6 +407,18 @@ MUTATIONS = [
         ("tests/test_shared_reads.py::test_a_coordinator_that_fails_to_plan_fails_every_rank",),
     ),
     Mutation(
+        "part failure not joined",
+        "a failure on one rank fails every rank (shared reads, taking a part)",
+        "src/shardpoint/loading.py",
+        "        if shared is not None and shared.error is not None:\n"
+        "            raise shared.error\n",
+        "",
+        (
+            "tests/test_shared_reads.py::"
+            "test_a_rank_that_cannot_take_its_part_of_the_plan_fails_every_rank",
+        ),
+    ),
+    Mutation(
         "buffered piece without an undo copy",
         "a failed load changes nothing (loads that share reads)",
         "src/shardpoint/shared_reads.py",

@@ -84,18 +84,20 @@ def load(
             raise
         join_failed(exc, where)  # every rank learns, every rank raises
         raise
-    shared = plan_shared_reads(reads, None, where, None) if share else None
+    shared = plan_shared_reads(reads, None, where) if share else None
     try:
+        if shared is not None and shared.error is not None:
+            raise shared.error
         undo = reads.run(threads=threads, verify=verify, atomic=atomic)
     except Exception as exc:
         if shared is None:
             raise
-        agree(exc, where, None)  # every rank learns, every rank raises
+        agree(exc, where)  # every rank learns, every rank raises
         raise
     try:
         if shared is not None:
-            agree(None, where, None)  # every rank's reads are verified: exchange
-            exchange(shared, undo, None)
+            agree(None, where)  # every rank's reads are verified: exchange
+            exchange(shared, undo)
         m.finish(lambda name: loaded[name])
     except BaseException:
         if not atomic:
@@ -297,7 +299,8 @@ class ReadPlan:
                 self.ckpt.check_header(p.chunk.file)
             # The first batch's undo copy runs before any read: batches start small and
             # double, so that it is short and every later one overlaps the reads.
-            if batch_bytes >= min(UNDO_BATCH_BYTES, FIRST_UNDO_BATCH_BYTES << (len(batches) - 1)):
+            doublings = min(len(batches) - 1, 5)  # 8 MiB << 5: UNDO_BATCH_BYTES
+            if batch_bytes >= min(UNDO_BATCH_BYTES, FIRST_UNDO_BATCH_BYTES << doublings):
                 batches.append({})
                 batch_bytes = 0
             batches[-1].setdefault(p.chunk.file, []).append(segment)
@@ -397,8 +400,10 @@ class ReadPlan:
         return segment, p
 
 
-# Reads go in batches of this many bytes, each one's undo copy taken while the batch
-# before it is read (docs/benchmarks.md measures what the undo copy costs).
+# Reads go in batches of up to this many bytes, each one's undo copy taken while the
+# batch before it is read (docs/benchmarks.md measures what the undo copy costs); the
+# first is FIRST_UNDO_BATCH_BYTES (its undo copy is taken before any read), each next
+# one twice the last.
 UNDO_BATCH_BYTES = 256 * 1024 * 1024
 FIRST_UNDO_BATCH_BYTES = 8 * 1024 * 1024
 UNDO_PIECE_BYTES = 32 * 1024 * 1024

@@ -9,7 +9,8 @@ it — a column slice of a chunk costs whole rows, since checksums cover whole r
 With sharing the unit is the stored chunk. Every rank lists the pieces it needs (a
 chunk and the box of it) and sends each to the chunk's coordinator (the rank its key
 hashes to); each coordinator has each of its chunks that several ranks need read and
-verified by one of them — the least loaded, so the reading is split — once, covering
+verified by one of them — the least loaded by the coordinator's count, so the reading
+is split — once, covering
 the rows all of them need, and each piece is sent to its rank over
 ``torch.distributed`` after every rank reported its reads verified (a small
 all-reduce). Planning is spread like the reading: no rank learns every rank's needs.
@@ -59,13 +60,16 @@ class SharedReads:
 
     sources: list[_Source] = field(default_factory=list)
     receives: list[tuple[int, int, Box, list[Region]]] = field(default_factory=list)
+    # Taking this rank's part failed after every rank agreed on the plan: ``load``
+    # raises it in place of its reads, into the agreement every rank reaches after them.
+    error: Exception | None = None
 
 
-def agree(error: BaseException | None, where: str, group: Any) -> None:
+def agree(error: BaseException | None, where: str) -> None:
     """Whether any rank failed (one small all-reduce; the messages travel only then).
     Raises on every rank if any rank failed: its own error on the failing rank, a
     ``CheckpointError`` naming it elsewhere."""
-    first = dist.first_error(f"rank {dist.rank()}: {error}" if error else None, group)
+    first = dist.first_error(f"rank {dist.rank()}: {error}" if error else None)
     _raise_if_failed(error, [first], where)
 
 
@@ -80,11 +84,11 @@ def _raise_if_failed(error: BaseException | None, errors: list[str | None], wher
 def join_failed(error: BaseException, where: str) -> None:
     """For a rank that cannot even start a shared load (no copy of the checkpoint on
     its node): take part in the load's first collective, so that every rank raises."""
-    plan_shared_reads(None, error, where, None)
+    plan_shared_reads(None, error, where)
 
 
 def plan_shared_reads(
-    reads: ReadPlan | None, error: BaseException | None, where: str, group: Any
+    reads: ReadPlan | None, error: BaseException | None, where: str
 ) -> SharedReads:
     """Agree with every rank on who reads each stored chunk several ranks need, and
     take the pieces other ranks read for this one out of ``reads``. Raises on every
@@ -95,8 +99,9 @@ def plan_shared_reads(
     to. Every rank sends each coordinator the pieces it needs of that coordinator's
     chunks, each coordinator picks the readers of its chunks, and tells each rank what
     it reads and hands out and what it receives from whom (two all-to-alls). What a rank
-    sends and receives is its own pieces and its share of the chunks: it grows with
-    the ranks by one integer per rank (the sizes), not with ranks x tensors."""
+    sends and receives is its own pieces and, as a coordinator, every rank's pieces of
+    its share of the chunks (under DDP: its chunks x the ranks), never every rank's
+    pieces of every chunk; and one integer per rank (the sizes)."""
     pieces: dict[tuple[str, Box], list[Region]] = {}
     stored: dict[str, Any] = {}
     wanted: list[list[Any]] = []
@@ -105,19 +110,19 @@ def plan_shared_reads(
             pieces, stored, wanted = _pieces(reads)
         except Exception as exc:
             error = exc
-    agree(error, where, group)
+    agree(error, where)
     me, world = dist.rank(), dist.world_size()
     asks: list[list[Any]] = [[] for _ in range(world)]
     for item in wanted:
         asks[coordinator(item[0], world)].append(item)
-    told = dist.all_to_all_json(asks, group)
+    told = dist.all_to_all_json(asks)
     failure: Exception | None = None
     try:
         answers = [[None, part] for part in assign_readers(told, me)]
     except Exception as exc:
         failure = exc
         answers = [[f"rank {me}: {exc}", None]] * world
-    replies = dist.all_to_all_json(answers, group)
+    replies = dist.all_to_all_json(answers)
     if failure is not None:
         raise failure
     failed = next((e for e, _ in replies if e is not None), None)
@@ -125,7 +130,21 @@ def plan_shared_reads(
         raise CheckpointError(f"{where}: another rank could not plan the shared reads: {failed}")
     part = [item for _, items in replies for item in items]
     assert reads is not None or not part
-    me = dist.rank()
+    try:
+        return _take_part(part, reads, pieces, stored, me)
+    except Exception as exc:  # every other rank goes on to its reads: join them there
+        return SharedReads(error=exc)
+
+
+def _take_part(
+    part: list[list[Any]],
+    reads: ReadPlan,
+    pieces: dict[tuple[str, Box], list[Region]],
+    stored: dict[str, Any],
+    me: int,
+) -> SharedReads:
+    """This rank's part of the plan, as transfers, its pieces that arrive from other
+    ranks taken out of ``reads`` and the rows it reads for others added to them."""
     plan = SharedReads()
     for item in part:
         if item[0] == "receive":
@@ -168,8 +187,8 @@ def _pieces(
     reads: ReadPlan,
 ) -> tuple[dict[tuple[str, Box], list[Region]], dict[str, Any], list[list[Any]]]:
     """This rank's pieces: (chunk key, box) -> the regions it fills; chunk key ->
-    (entry, chunk); and the list rank 0 plans from (``[chunk key, lo, hi, bytes]``, in
-    first-seen order)."""
+    (entry, chunk); and what it tells the chunks' coordinators (``[chunk key, lo, hi,
+    bytes]``, in first-seen order)."""
     pieces: dict[tuple[str, Box], list[Region]] = {}
     stored: dict[str, Any] = {}
     wanted: list[list[Any]] = []
@@ -264,7 +283,7 @@ def assign_readers(told: list[list[list[Any]]], me: int) -> list[list[Any]]:
     return parts
 
 
-def exchange(plan: SharedReads, undo: Undo, group: Any) -> None:
+def exchange(plan: SharedReads, undo: Undo) -> None:
     """Send the pieces this rank read to the ranks that need them and receive the
     others, then put them in place (with an undo copy of live ones first). A piece
     whose place is contiguous CPU memory is received straight into it; others (column
@@ -280,14 +299,14 @@ def exchange(plan: SharedReads, undo: Undo, group: Any) -> None:
                 undo.save([into])  # before its bytes start to change
         else:
             into = torch.empty(into.shape, dtype=into.dtype)
-        pending.append(dist.irecv_bytes(flat_bytes(into), reader, _TAGS + tag, group))
+        pending.append(dist.irecv_bytes(flat_bytes(into), reader, _TAGS + tag))
         arrived.append((box, regions, into))
     sent = []  # alive until sent
     for source in plan.sources:
         for tag, rank, box in source.sends:
             data = flat_bytes(_piece(source, box).contiguous())
             sent.append(data)
-            pending.append(dist.isend_bytes(data, rank, _TAGS + tag, group))
+            pending.append(dist.isend_bytes(data, rank, _TAGS + tag))
         arrived.extend((box, regions, _piece(source, box)) for box, regions in source.own)
     for work in pending:
         work.wait()

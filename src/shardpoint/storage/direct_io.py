@@ -263,9 +263,10 @@ def read_ranges(
     buffered cold reads there), zero-copy into congruent tensors like writes.
     Either way small segments are coalesced into spans, so 10,000 small tensors cost
     a handful of calls: with O_DIRECT each span is read into a bounce buffer and copied
-    out, through the cache straight into the segments (``preadv``). ``direct=False`` always
-    reads through the cache (small lazy reads). ``on_segment(s)`` runs on an I/O
-    thread as soon as all of ``s`` is in place, so checksums overlap the reads.
+    out; through the cache it is read straight into the segments (``preadv``).
+    ``direct=False`` always reads through the cache (small lazy reads).
+    ``on_segment(s)`` runs on an I/O thread as soon as all of ``s`` is in place, so
+    checksums overlap the reads.
     """
     fds: list[int] = []
     try:
@@ -526,8 +527,16 @@ def _bounce_read(
     return job
 
 
-# At most this many buffers per preadv call (Linux's IOV_MAX).
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+def _iov_max() -> int:
+    """Buffers one preadv call takes (Linux: 1024); POSIX may answer -1 for no limit."""
+    try:
+        limit = os.sysconf("SC_IOV_MAX")
+    except (AttributeError, ValueError, OSError):
+        return 1024
+    return min(limit, 1024) if limit >= 2 else 1024
+
+
+_IOV_MAX = _iov_max()
 _GAP = memoryview(bytearray(COALESCE_GAP))  # the bytes between segments: read, never used
 
 
@@ -535,8 +544,9 @@ def _scatter_read(
     fd: int, segments: list[Segment], lo: int, hi: int, where: str, done: _Completion
 ) -> Callable[[], None]:
     """Read the file span ``[lo, hi)`` through the page cache straight into the
-    segments inside it, with one ``preadv`` per IOV_MAX of them (the gaps between them
-    into a scratch buffer): small tensors cost no bounce copy and no call of their own.
+    segments inside it, with one ``preadv`` per IOV_MAX / 2 of them (each may need a
+    buffer for the gap before it, read into a scratch buffer no one reads; threads may
+    share it): small tensors cost no bounce copy and no call of their own.
     Segments that overlap each other (two regions of one stored range) go through a
     bounce buffer instead."""
 
