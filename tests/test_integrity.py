@@ -351,3 +351,25 @@ def test_a_failure_that_is_not_an_io_error_also_leaves_nothing(tmp_path, monkeyp
     with pytest.raises(CheckpointError, match="checksum worker crashed"):
         shardpoint.save({"a": torch.ones(10)}, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_verify_reads_each_shard_header_once(tmp_path, monkeypatch):
+    """Parsing a header and comparing its checksum with the index need one read of it
+    (on an object store every read is a request)."""
+    from shardpoint.names import is_fragment
+    from shardpoint.storage.local import LocalDirectory
+
+    path = tmp_path / "ckpt"
+    shardpoint.save({f"t{i}": torch.randn(8) for i in range(5)}, path, max_shard_size=64)
+    starts = []
+    real = LocalDirectory.read_range
+
+    def counting(self, name, lo, hi):
+        starts.append((name, lo))
+        return real(self, name, lo, hi)
+
+    monkeypatch.setattr(LocalDirectory, "read_range", counting)
+    assert shardpoint.verify(path).ok
+    shards = [p.name for p in path.glob("*.safetensors") if not is_fragment(p.name)]
+    assert len(shards) > 1
+    assert sorted(n for n, lo in starts if lo == 0 and n in shards) == sorted(shards)

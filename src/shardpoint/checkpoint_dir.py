@@ -135,13 +135,14 @@ class CommittedCheckpoint:
 
     def header(self, file: str) -> Header:
         """Parse ``file``'s safetensors header once and check it and the file's size
-        agree with the index."""
+        agree with the index: every slot, and the header's checksum where the index
+        records one (one read of the header for both)."""
         if file not in self._headers:
-            size = self.index.files.get(file)
-            check_size(self.storage, file, size)
-            header = read_header(self.storage, file, size=size, data_start=self._data_start(file))
+            raw, size = self._header_bytes(file)
+            header = parse_header(raw[8:], size, self.storage.location(file))
             for entry, c in self.chunks_by_file.get(file, []):
                 self._check_slot(header, entry, c)
+            self._compare_checksum(file, raw)
             self._headers[file] = header
         return self._headers[file]
 
@@ -150,16 +151,24 @@ class CommittedCheckpoint:
         checksum of its header bytes where the index records one (a file this release
         wrote: the header is then the one whose slots made the index), else by parsing
         the header and comparing every slot."""
-        expected = self.index.headers.get(file)
-        if expected is None:
+        if file not in self.index.headers:
             self.header(file)
-            return
-        if file in self._checked:
-            return
+        elif file not in self._checked:
+            self._compare_checksum(file, self._header_bytes(file)[0])
+
+    def _header_bytes(self, file: str) -> tuple[bytes, int]:
+        """``file``'s header as stored and its size, checked against the index."""
         size = self.index.files.get(file)
+        if size is None:
+            raise CorruptCheckpointError(
+                f"{self.storage.location(file)}: not a file of this checkpoint; {_DAMAGED}"
+            )
         check_size(self.storage, file, size)
-        raw, _ = _header_bytes(self.storage, file, size, self._data_start(file))
-        if checksum(raw) != expected:
+        return _header_bytes(self.storage, file, size, self._data_start(file))
+
+    def _compare_checksum(self, file: str, raw: bytes) -> None:
+        expected = self.index.headers.get(file)
+        if expected is not None and checksum(raw) != expected:
             raise CorruptCheckpointError(
                 f"{self.storage.location(file)}: its header does not match {INDEX_NAME} "
                 f"(shard replaced or index from another checkpoint); {_DAMAGED}"
