@@ -4,17 +4,18 @@ The first byte of an input picks the target, so all three share one corpus:
 
     0  a shard file: ``header_length`` + ``parse_header``
     1  ``index.json`` bytes: ``parse_index``
-    2  ``index.json`` bytes committed (with a matching marker) next to the seed
-       checkpoint's shard files: ``shardpoint.verify``, ``open(...).get``, and
-       ``shardpoint inspect | verify | ls``
+    2  ``index.json`` bytes committed (with a matching marker) next to the files of a
+       seed checkpoint (the sharded one if the index names a fragment):
+       ``shardpoint.verify``, ``open(...).get``, and ``shardpoint inspect | verify | ls``
 
 Findings: an exception other than CheckpointError from the library; a shape the
 parsers accept that torch cannot allocate; a CLI command that raises instead of
 exiting 0, 1 or 2; a checkpoint that verifies but does not load, inspect or list
 (exit 0); a crash or a hang. Besides libFuzzer's byte mutations, a structured
-mutator puts edge values into the input's index (or the seed's): numbers (negative,
+mutator puts edge values into the input's index (or a seed's): numbers (negative,
 float, bool, 2**63, 2**70, ...) into its number fields, e.g. into one dimension of a
-tensor and of all its chunks at once, and lone surrogates into its strings. Bounded runs:
+tensor and of all its chunks at once or into a mesh's rank count with the world
+size, and lone surrogates into its strings. Bounded runs:
 
     python fuzz/fuzz_parsers.py -atheris_runs=50000
     python fuzz/fuzz_parsers.py -max_total_time=600      # a longer soak
@@ -51,18 +52,23 @@ EDGE_VALUES: tuple[Any, ...] = (
 )
 EDGE_STRINGS = ("\ud800", "w\udfff", "", "\x00", "\u00e9\U0001f600")
 
-# The seed: a small checkpoint with an empty tensor, a tied one and non-tensor state.
-# Target 2 commits each input's index next to copies of its shard files.
+# The seeds: a small checkpoint with an empty tensor, a tied one and non-tensor state;
+# and the format version 2 golden checkpoint of the tests (a sharding over a mesh of 2
+# ranks, their fragments). Target 2 commits each input's index next to copies of the
+# files of the seed it names.
 _TMP = Path(tempfile.mkdtemp(prefix="shardpoint-fuzz-"))
 atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 _w = torch.arange(6.0).reshape(2, 3)
 _state = {"w": _w, "tied": _w, "empty": torch.zeros(0, 3), "meta": (1, b"x", None, "note")}
 shardpoint.save(_state, _TMP / "seed", metadata={"step": 1, "run": "fuzz"})
-SEED_INDEX = (_TMP / "seed" / INDEX_NAME).read_bytes()
-WORK = _TMP / "work"
-WORK.mkdir()
-for _shard in (_TMP / "seed").glob("*.safetensors"):
-    (WORK / _shard.name).write_bytes(_shard.read_bytes())
+_SHARDED = Path(__file__).resolve().parents[1] / "tests" / "data" / "v2-two-ranks"
+SEED_INDEXES = ((_TMP / "seed" / INDEX_NAME).read_bytes(), (_SHARDED / INDEX_NAME).read_bytes())
+WORK, WORK_SHARDED = _TMP / "work", _TMP / "work-sharded"
+for _seed, _work in ((_TMP / "seed", WORK), (_SHARDED, WORK_SHARDED)):
+    _work.mkdir()
+    for _file in _seed.iterdir():
+        if _file.name not in (INDEX_NAME, MARKER_NAME):
+            (_work / _file.name).write_bytes(_file.read_bytes())
 
 
 def _allocatable(shape: tuple[int, ...], dtype: str) -> None:
@@ -80,18 +86,19 @@ def _cli(*args: str) -> tuple[int, str]:
 
 
 def check_committed(index: bytes) -> None:
-    (WORK / INDEX_NAME).write_bytes(index)
-    (WORK / MARKER_NAME).write_bytes(marker_json(index))
-    verified = shardpoint.verify(WORK).ok  # reports, never raises, for a damaged checkpoint
+    work = WORK_SHARDED if b".chunks.json" in index else WORK  # names a fragment file
+    (work / INDEX_NAME).write_bytes(index)
+    (work / MARKER_NAME).write_bytes(marker_json(index))
+    verified = shardpoint.verify(work).ok  # reports, never raises, for a damaged checkpoint
     try:
-        with shardpoint.open(WORK) as reader:
+        with shardpoint.open(work) as reader:
             for name in reader.keys():
                 reader.get(name)
     except CheckpointError:
         if verified:
             raise
     for command in ("inspect", "verify", "ls"):
-        rc, output = _cli(command, str(WORK))
+        rc, output = _cli(command, str(work))
         assert rc in (0, 1, 2) and "Traceback" not in output, (command, rc, output)
         assert rc == 0 or not verified, f"{command} exits {rc} on a verified checkpoint: {output}"
 
@@ -146,13 +153,28 @@ def _dimensions(doc: Any) -> list[tuple[list[Any], int]]:
     return dims
 
 
+def _counted_meshes(doc: Any) -> list[dict[str, Any]]:
+    """The meshes of a version 2 index whose ranks are {"first", "count"}."""
+    meshes = doc.get("meshes") if isinstance(doc, dict) else None
+    return [
+        m
+        for m in (meshes if isinstance(meshes, list) else [])
+        if isinstance(m, dict) and isinstance(m.get("ranks"), dict)
+    ]
+
+
 def put_edge_values(doc: Any, rng: random.Random) -> None:
     """Replace one to three values of an index: mostly numbers, half of those one
     dimension of a tensor in its entry and all its chunks (so that they still agree),
+    some a mesh's rank count with the mesh's shape and the world size (likewise),
     sometimes a string."""
     for _ in range(rng.randint(1, 3)):
-        dims, roll = _dimensions(doc), rng.random()
-        if dims and roll < 0.45:
+        dims, meshes, roll = _dimensions(doc), _counted_meshes(doc), rng.random()
+        if meshes and roll < 0.1:
+            mesh, value = rng.choice(meshes), rng.choice(EDGE_VALUES)
+            mesh["ranks"]["count"] = doc["world_size"] = value
+            mesh["shape"] = [value]
+        elif dims and roll < 0.45:
             shapes, i = rng.choice(dims)
             value = rng.choice(EDGE_VALUES)
             for shape in shapes:
@@ -172,7 +194,7 @@ def mutate(data: bytes, max_size: int, seed: int) -> bytes:
     except (ValueError, RecursionError):
         doc = None
     if not isinstance(doc, (dict, list)):
-        doc = json.loads(SEED_INDEX)
+        doc = json.loads(rng.choice(SEED_INDEXES))
     put_edge_values(doc, rng)
     try:
         out = bytes([rng.choice((1, 2))]) + json.dumps(doc, separators=(",", ":")).encode()

@@ -4,6 +4,7 @@ chunks live in its own fragment, and version 1 checkpoints still load unchanged.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -306,6 +307,77 @@ def test_a_fragment_that_lies_about_a_chunk_is_refused(saved_on_4, tmp_path):
     with pytest.raises(CorruptCheckpointError, match="rank00001.chunks.json.*not the one rank 1"):
         shardpoint.load(state, ckpt)
     assert not shardpoint.verify(ckpt).ok
+
+
+@pytest.mark.timeout(60)  # the bug this catches was a hang (or all memory) at open
+def test_an_index_claiming_a_mesh_of_2_to_the_62_ranks_is_a_typed_error_in_bounded_time(
+    tmp_path,
+):
+    """A 1 kB index may claim a mesh of 2**62 ranks (``{"first": 0, "count": 2**62}``)
+    and a tensor of 2**40 rows, one per rank; each of the two fragments, re-signed,
+    holds a valid 1-row chunk. Readers must not hold a rank per mesh coordinate nor
+    count the sharding's chunks one by one: typed errors, at once."""
+    from conftest import rewrite_index
+
+    from shardpoint.format.index import checksum
+
+    ckpt = tmp_path / "huge-mesh"
+    shutil.copytree(GOLDEN_V2, ckpt)
+    signed = {}
+    for rank in (0, 1):
+        path = ckpt / fragment_file(rank)
+        doc = json.loads(path.read_text())
+        chunk = doc["chunks"]["sharded"]
+        begin = chunk["byte_range"][0]
+        row = (ckpt / chunk["file"]).read_bytes()[begin : begin + 12]
+        chunk |= {"offsets": [rank, 0], "shape": [1, 3], "byte_range": [begin, begin + 12]}
+        chunk["checksums"] = [checksum(row)]
+        raw = json.dumps(doc).encode()
+        path.write_bytes(raw)
+        signed[str(rank)] = [len(raw), checksum(raw)]
+
+    def claim(doc):
+        doc["world_size"] = 2**62
+        doc["meshes"] = [{"shape": [2**62], "ranks": {"first": 0, "count": 2**62}}]
+        doc["tensors"]["sharded"]["shape"] = [2**40, 3]
+        doc["fragments"] = signed
+        doc["files"].update({fragment_file(int(r)): {"size": n} for r, (n, _) in signed.items()})
+
+    rewrite_index(ckpt, claim)
+    with pytest.raises(CorruptCheckpointError, match="2 chunks of 'sharded'.*more than 2"):
+        shardpoint.open(ckpt)
+    assert not shardpoint.verify(ckpt).ok
+    state = {"sharded": torch.zeros(7, 3), "replicated": torch.zeros(5, dtype=torch.int64)}
+    with pytest.raises(shardpoint.StateMismatchError, match="sharded"):
+        shardpoint.load(state | {"step": 0, "name": ""}, ckpt)
+
+
+@pytest.mark.parametrize(
+    ("ref", "match"),
+    [
+        ([2**31, "own.1"], "rank2147483648.chunks.json: the chunk fragment is missing"),
+        ([1, "own.7"], "rank00001.chunks.json: has no value at 'own.7'"),
+    ],
+    ids=["rank-without-fragment", "path-not-in-fragment"],
+)
+def test_a_tree_that_keeps_a_value_in_a_fragment_that_lacks_it_fails_verify(tmp_path, ref, match):
+    """Found by the fuzzer: the index's state tree said rank 2**31's fragment holds
+    ``own.1``; ``verify`` passed (it read every fragment but resolved no value) while
+    ``inspect`` failed. Whatever reads the whole checkpoint now resolves them all."""
+    from conftest import rewrite_index
+
+    ckpt = tmp_path / "dangling"
+    shutil.copytree(GOLDEN_V2, ckpt)
+
+    def dangle(doc):
+        own = dict(doc["tree"]["dict"])["own"]["dict"]
+        own[1][1] = {"in_fragment": ref}
+
+    rewrite_index(ckpt, dangle)
+    report = shardpoint.verify(ckpt)
+    assert not report.ok and match in str(report.errors), report.errors
+    with pytest.raises(CorruptCheckpointError, match=re.escape(match)):
+        shardpoint.open(ckpt)
 
 
 def _save_rng(rank: int, world: int, path: str) -> None:

@@ -6,11 +6,13 @@ before reading a single tensor byte.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import tree as tree_codec
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 from .format.index import (
     INDEX_NAME,
@@ -123,15 +125,24 @@ class CommittedCheckpoint:
         for name, chunks in found.items():
             entry = self.index.entries[name]
             whole = (0,) * len(entry.shape), entry.shape
-            expected = sum(1 for _ in self.index.shardings[name].overlapping(entry.shape, *whole))
+            # Counted up to one more than found: a hostile index's mesh may claim 2**62.
+            derived = self.index.shardings[name].overlapping(entry.shape, *whole)
+            expected = sum(1 for _ in itertools.islice(derived, len(chunks) + 1))
             if len(chunks) != expected:
+                has = expected if expected <= len(chunks) else f"more than {len(chunks)}"
                 raise CorruptCheckpointError(
                     f"{self.where}: {len(chunks)} chunks of {name!r} in the fragments, its "
-                    f"sharding has {expected}; {_DAMAGED}"
+                    f"sharding has {has}; {_DAMAGED}"
                 )
             self.index.entries[name] = TensorEntry(
                 name, entry.dtype, entry.shape, tuple(sorted(chunks, key=lambda c: c.offsets))
             )
+        try:  # every value the tree keeps in a fragment is there, and well formed
+            tree_codec.decode(self.index.tree, lambda name: None, self.fragment_value)
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            raise CorruptCheckpointError(
+                f"{self.where}: a value kept in a chunk fragment is malformed ({exc}); {_DAMAGED}"
+            ) from None
 
     def header(self, file: str) -> Header:
         """Parse ``file``'s safetensors header once and check it and the file's size

@@ -580,7 +580,7 @@ def _sharded_entries(holdings: list[Holding]) -> list[Any]:
         if h.sharding is not None:
             mesh = meshes.setdefault(h.sharding.mesh, len(meshes))
             entries.append([h.name, h.dtype, h.global_shape, mesh, h.sharding.dims])
-    return [[[m.shape, m.ranks] for m in meshes], entries] if entries else []
+    return [[[m.shape, m.ranks_json()] for m in meshes], entries] if entries else []
 
 
 def _sharded_table(
@@ -592,7 +592,7 @@ def _sharded_table(
     for doc in lists:
         if not doc:
             continue
-        meshes = [Mesh(tuple(shape), tuple(ranks)) for shape, ranks in doc[0]]
+        meshes = [Mesh.from_json(tuple(shape), ranks) for shape, ranks in doc[0]]
         for name, dtype, global_shape, mesh, dims in doc[1]:
             described = (dtype, tuple(global_shape), Sharding(meshes[mesh], tuple(dims)))
             if table.setdefault(name, described) != described:

@@ -12,9 +12,10 @@ end of its dimension); the writer checks its own chunk against it before saving.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import xxhash
 
@@ -24,16 +25,43 @@ REPLICATED = -1
 @dataclass(frozen=True)
 class Mesh:
     shape: tuple[int, ...]
-    ranks: tuple[int, ...]  # the global rank at each coordinate, row-major
+    # The global rank at each coordinate, row-major. Consecutive ranks (the usual mesh)
+    # are kept as a range: one costs nothing at any size, and a hostile index's
+    # {"first", "count"} cannot make a reader fill its memory with 2**62 ranks.
+    ranks: Sequence[int]
+
+    def __post_init__(self) -> None:
+        ranks = self.ranks
+        if not isinstance(ranks, range) and ranks:
+            consecutive = range(ranks[0], ranks[0] + len(ranks))
+            if tuple(ranks) == tuple(consecutive):
+                object.__setattr__(self, "ranks", consecutive)
+
+    @staticmethod
+    def from_json(shape: tuple[int, ...], ranks: Any) -> Mesh:
+        """A mesh as ``ranks_json`` wrote it (no checks: ``format/index.py`` checks
+        what it reads from storage)."""
+        if type(ranks) is dict:
+            return Mesh(shape, range(ranks["first"], ranks["first"] + ranks["count"]))
+        return Mesh(shape, tuple(ranks))
+
+    def ranks_json(self) -> Any:
+        """The ranks in an index: consecutive ones as {"first", "count"}."""
+        if isinstance(self.ranks, range):
+            return {"first": self.ranks.start, "count": len(self.ranks)}
+        return list(self.ranks)
 
     @cached_property
     def digest(self) -> str:
         """Identifies the mesh in a structure digest without hashing every rank each time."""
-        return xxhash.xxh3_64_hexdigest(repr((self.shape, self.ranks)).encode())
+        return xxhash.xxh3_64_hexdigest(repr((self.shape, self.ranks_json())).encode())
 
     @cached_property
     def _flat_of(self) -> dict[int, int]:
         return {r: i for i, r in enumerate(self.ranks)}
+
+    def repeats_a_rank(self) -> bool:
+        return not isinstance(self.ranks, range) and len(self._flat_of) != len(self.ranks)
 
     def coord_at(self, flat: int) -> tuple[int, ...]:
         coord = []
@@ -44,6 +72,8 @@ class Mesh:
 
     def coord_of(self, rank: int) -> tuple[int, ...] | None:
         """Where ``rank`` sits in the mesh; None if it is not part of it."""
+        if isinstance(self.ranks, range):
+            return self.coord_at(rank - self.ranks.start) if rank in self.ranks else None
         flat = self._flat_of.get(rank)
         return None if flat is None else self.coord_at(flat)
 
@@ -144,7 +174,7 @@ class Sharding:
             self.mesh.ranks
         ):
             return "the mesh's ranks do not fill its shape"
-        if len(self.mesh._flat_of) != len(self.mesh.ranks):
+        if self.mesh.repeats_a_rank():
             return "a rank appears twice in the mesh"
         if any(not REPLICATED <= d < len(shape) for d in self.dims):
             return f"a placement shards a dimension the tensor {list(shape)} does not have"

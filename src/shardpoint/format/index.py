@@ -13,6 +13,7 @@ import bisect
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,7 +178,7 @@ class Index:
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "world_size": self.world_size,
             "files": {name: self._file_json(name, size) for name, size in self.files.items()},
-            "meshes": [{"shape": list(m.shape), "ranks": _ranks_json(m.ranks)} for m in meshes],
+            "meshes": [{"shape": list(m.shape), "ranks": m.ranks_json()} for m in meshes],
             "fragments": {str(r): list(f) for r, f in sorted(self.fragments.items())},
             "tensors": tensors,
             "tree": self.tree,
@@ -204,13 +205,6 @@ def chunk_json(c: Chunk) -> dict[str, Any]:
 
 def _dumps(doc: Any) -> bytes:
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-
-
-def _ranks_json(ranks: tuple[int, ...]) -> Any:
-    """A mesh's ranks; consecutive ones (the usual case) as {"first", "count"}."""
-    if ranks == tuple(range(ranks[0], ranks[0] + len(ranks))):
-        return {"first": ranks[0], "count": len(ranks)}
-    return list(ranks)
 
 
 def fragment_json(
@@ -402,7 +396,7 @@ def _parse_meshes(specs: list[Any], world_size: int, where: str) -> list[Mesh]:
             count = _int(ranks_spec["count"], "a mesh's rank count", where, low=1)
             if first + count > world_size:
                 raise _corrupt(where, f"a mesh names ranks beyond world_size {world_size}")
-            ranks = tuple(range(first, first + count))
+            ranks: Sequence[int] = range(first, first + count)
         else:
             ranks = _ints(ranks_spec, "ranks", "a mesh", where)
             if any(r >= world_size for r in ranks):
