@@ -15,6 +15,11 @@ rank's load planning (parse the index, find the chunks of its own region, read i
 fragment). Version 1's figures at this scale are extrapolated from a 64-rank sample
 of the same layout (a 16,384-rank v1 index would take tens of GB), and say so.
 
+Also the same steady save planning from real DTensors (``DTensor.from_local`` on a
+``device_mesh`` over torch's fake process group of 16,384 ranks, in a child process):
+what ``save`` runs per save before it writes (flatten the state, each tensor's
+holding and sharding, the structure digest and the sharded-entry list).
+
 Also how long parsing takes where version 1 indexes stay: one of 4,096 ranks x 500
 parameters (every row chunk listed), and one tensor stored as 100,000 chunks.
 
@@ -35,6 +40,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -85,6 +92,59 @@ def holdings_of(
         for i in range(NORMS)
     ]
     return held
+
+
+def real_dtensor_case(name: str, ranks: int, params: int) -> dict[str, float]:
+    """Run ``_real_dtensor_child`` in a fresh process (it joins a fake process group)."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--real-dtensor-child", name, str(ranks), str(params)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _real_dtensor_child(name: str, ranks: int, params: int) -> None:
+    """Rank 1 of a fake ``ranks``-rank process group: build ``params`` DTensors on the
+    layout's mesh (and the replicated norms), then time what a steady save plans."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardpoint.tree import flatten
+
+    dist.init_process_group("fake", rank=1, world_size=ranks, store=FakeStore())
+    sharding, shape = layout(name, ranks, params)
+    mesh = init_device_mesh("cpu", sharding.mesh_shape)
+    placements = [Shard(d) for d in sharding.dims]
+    coord = sharding.mesh.coord_of(1)
+    assert coord is not None
+    _, local = sharding.box(shape, coord)
+    start = time.perf_counter()
+    state: dict[str, torch.Tensor] = {}
+    for i in range(params):
+        state[f"layers.{i // 10}.p{i % 10}.weight"] = DTensor.from_local(
+            torch.empty(local, dtype=torch.bfloat16), mesh, placements, run_check=False,
+            shape=torch.Size(shape), stride=(shape[1], 1),
+        )  # fmt: skip
+    for i in range(NORMS):
+        state[f"layers.{i}.norm.weight"] = torch.empty(COLS)
+    built = time.perf_counter() - start
+    times = []
+    for _ in range(2):  # the first save also reads each mesh's ranks once
+        start = time.perf_counter()
+        flat = flatten(state, rank=1)
+        held, aliases, _, _ = saving._holdings(
+            flat.tensors, True, flat.rank_tensors, with_tokens=False
+        )
+        saving._structure_digest(held, aliases)
+        saving._digest(saving._sharded_entries(held))
+        times.append(time.perf_counter() - start)
+    assert sum(1 for h in held if h.sharding is not None) == params
+    print(json.dumps({"first_s": times[0], "steady_s": times[1], "build_dtensors_s": built}))
 
 
 def chunk_for(name: str, i: int, rank: int, offsets, shape, item: int = 2) -> Chunk:
@@ -364,13 +424,19 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=16384)
     p.add_argument("--quick", action="store_true", help="1,024 ranks, to check the script runs")
     p.add_argument("--out", type=Path, default=Path("bench/results/plan_scale.json"))
+    p.add_argument("--real-dtensor-child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.real_dtensor_child:
+        layout_name, child_ranks, child_params = args.real_dtensor_child
+        _real_dtensor_child(layout_name, int(child_ranks), int(child_params))
+        return
     ranks = 1024 if args.quick else args.ranks
     cases = {"fsdp": 10_000, "tp-fsdp": 2_000}
     results = {}
     for name, params in cases.items():
         v2 = v2_case(name, ranks, params)
         v1 = v1_case(name, ranks, params, sample=64)
+        v2["real_dtensor"] = real_dtensor_case(name, ranks, params)
         results[name] = {"params": params, "ranks": ranks, "v1": v1, "v2": v2}
         print(f"\n{name}: {ranks:,} ranks x {params:,} sharded parameters + {NORMS} norms")
         rows = [
@@ -378,6 +444,8 @@ def main() -> None:
             ("rank 0 builds + serialises it (s)", v1["rank0_commit_s"], v2["rank0_commit_s"]),
             ("a rank plans its load (s)", v1["load_plan_s"], v2["load_plan_s"]),
             ("a rank plans its save, steady (s)", None, v2["save_plan_steady_s"]),
+            ("  the same from real DTensors (s)", None, v2["real_dtensor"]["steady_s"]),
+            ("  ...the first save (reads each mesh) (s)", None, v2["real_dtensor"]["first_s"]),
             ("  on a structure change, rank 0 plans (s)", None, v2["save_replan_rank0_s"]),
             (
                 "  the same, node-local: a plan per node (s)",

@@ -35,6 +35,10 @@ class Mutation:
 
 
 HOSTILE = "tests/test_hostile_files.py::"
+V2_HUGE_MESH = (
+    "tests/test_format_v2.py::"
+    "test_an_index_claiming_a_mesh_of_2_to_the_62_ranks_is_a_typed_error_in_bounded_time"
+)
 INCREMENTAL = "tests/test_incremental.py::"
 MUTATIONS = [
     Mutation(
@@ -646,6 +650,44 @@ MUTATIONS = [
         "                if size > limit:",
         "                if False:",
         (HOSTILE + "test_a_huge_sparse_index_is_refused_before_it_is_read",),
+    ),
+    Mutation(
+        "mesh ranks held one by one",
+        "hostile input gives typed errors only (a mesh's rank count)",
+        "src/shardpoint/format/index.py",
+        "            ranks: Sequence[int] = range(first, first + count)\n",
+        "            ranks: Sequence[int] = tuple(range(first, first + count))\n",
+        (V2_HUGE_MESH,),
+    ),
+    Mutation(
+        "sharding's chunks counted to the end",
+        "hostile input gives typed errors only (a mesh's rank count)",
+        "src/shardpoint/checkpoint_dir.py",
+        "            expected = sum(1 for _ in itertools.islice(derived, len(chunks) + 1))\n",
+        "            expected = sum(1 for _ in derived)\n",
+        (V2_HUGE_MESH,),
+    ),
+    Mutation(
+        "fragment values not resolved",
+        "hostile input gives typed errors only (values kept in fragments)",
+        "src/shardpoint/checkpoint_dir.py",
+        "            tree_codec.decode(self.index.tree, lambda name: None, self.fragment_value)\n",
+        "            pass\n",
+        (
+            "tests/test_format_v2.py::"
+            "test_a_tree_that_keeps_a_value_in_a_fragment_that_lacks_it_fails_verify",
+        ),
+    ),
+    Mutation(
+        "mesh ranks read per DTensor",
+        "a save's planning does not grow with ranks x tensors (device meshes)",
+        "src/shardpoint/tensor_kinds.py",
+        "    mesh = _MESHES.get(device_mesh)\n",
+        "    mesh = None\n",
+        (
+            "tests/test_save_plan_cache.py::"
+            "test_a_save_reads_each_device_meshs_ranks_once_not_once_per_dtensor",
+        ),
     ),
     Mutation(
         "save reads the signal flag again",
