@@ -18,7 +18,9 @@ of the same layout (a 16,384-rank v1 index would take tens of GB), and say so.
 Also the same steady save planning from real DTensors (``DTensor.from_local`` on a
 ``device_mesh`` over torch's fake process group of 16,384 ranks, in a child process):
 what ``save`` runs per save before it writes (flatten the state, each tensor's
-holding and sharding, the structure digest and the sharded-entry list).
+holding and sharding, the structure digest and the sharded-entry list); and a load's
+planning into those DTensors from a directory holding the index and the rank's
+fragment (open, parse, match, each region's chunks).
 
 Also how long parsing takes where version 1 indexes stay: one of 4,096 ranks x 500
 parameters (every row chunk listed), and one tensor stored as 100,000 chunks.
@@ -42,8 +44,10 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from shardpoint import saving
 from shardpoint.format.index import (
@@ -144,7 +148,56 @@ def _real_dtensor_child(name: str, ranks: int, params: int) -> None:
         saving._digest(saving._sharded_entries(held))
         times.append(time.perf_counter() - start)
     assert sum(1 for h in held if h.sharding is not None) == params
-    print(json.dumps({"first_s": times[0], "steady_s": times[1], "build_dtensors_s": built}))
+    load_s = _real_load_plan(state, sharding, shape)
+    print(
+        json.dumps(
+            {"first_s": times[0], "steady_s": times[1], "build_dtensors_s": built, "load_s": load_s}
+        )
+    )
+
+
+def _real_load_plan(state: dict[str, Any], sharding: Sharding, shape: tuple[int, int]) -> float:
+    """Rank 1's load planning into ``state`` from a committed directory holding the
+    job's index and rank 1's fragment (no shard file: nothing is read): open and parse,
+    match the state, and find each region's chunks."""
+    from shardpoint import loading
+    from shardpoint.format.index import marker_json
+
+    ranks = len(sharding.mesh.ranks)
+    names = [n for n, t in state.items() if n.endswith(".weight") and ".p" in n]
+    coord = sharding.mesh.coord_of(1)
+    assert coord is not None
+    offsets, local = sharding.box(shape, coord)
+    fragment = fragment_json(
+        1, {n: chunk_for(n, i, 1, offsets, local) for i, n in enumerate(names)}, {}, []
+    )
+    files = {shard_file(r, 0): 400_000_000 for r in range(ranks)}
+    files |= {fragment_file(r): 1_000_000 for r in range(ranks)}
+    fragments = {r: (1_000_000, "0123456789abcdef") for r in range(ranks)}
+    files[fragment_file(1)], fragments[1] = len(fragment), (len(fragment), digest_of(fragment))
+    entries = {n: TensorEntry(n, "BF16", shape, ()) for n in names}
+    for i in range(NORMS):
+        n = f"layers.{i}.norm.weight"
+        entries[n] = TensorEntry(n, "F32", (COLS,), (chunk_for(n, i, i, (0,), (COLS,), 4),))
+    index = Index(
+        files, entries, {}, {"dict": [[n, {"tensor": n}] for n in entries]},
+        "2026-01-01T00:00:00+00:00", "0", ranks,
+        shardings={n: sharding for n in names}, fragments=fragments,
+    )  # fmt: skip
+    raw = index.to_json()
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "index.json").write_bytes(raw)
+        (Path(d) / "COMMITTED").write_bytes(marker_json(raw))
+        (Path(d) / fragment_file(1)).write_bytes(fragment)
+        start = time.perf_counter()
+        ckpt, _, reads, _ = loading._prepare(state, d, None, True)
+        found = 0
+        for name, regions in reads.regions.items():
+            for r in regions:
+                found += len(ckpt.chunks(ckpt.index.entries[name], r.offsets, r.tensor.shape))
+        seconds = time.perf_counter() - start
+    assert found == len(state), found  # each region is one stored chunk
+    return seconds
 
 
 def chunk_for(name: str, i: int, rank: int, offsets, shape, item: int = 2) -> Chunk:
@@ -443,6 +496,7 @@ def main() -> None:
             ("global index (MB)", v1["index_bytes"] / 1e6, v2["index_bytes"] / 1e6),
             ("rank 0 builds + serialises it (s)", v1["rank0_commit_s"], v2["rank0_commit_s"]),
             ("a rank plans its load (s)", v1["load_plan_s"], v2["load_plan_s"]),
+            ("  the same into real DTensors (s)", None, v2["real_dtensor"]["load_s"]),
             ("a rank plans its save, steady (s)", None, v2["save_plan_steady_s"]),
             ("  the same from real DTensors (s)", None, v2["real_dtensor"]["steady_s"]),
             ("  ...the first save (reads each mesh) (s)", None, v2["real_dtensor"]["first_s"]),

@@ -682,8 +682,19 @@ MUTATIONS = [
         "mesh ranks read per DTensor",
         "a save's planning does not grow with ranks x tensors (device meshes)",
         "src/shardpoint/tensor_kinds.py",
-        "    mesh = _MESHES.get(device_mesh)\n",
-        "    mesh = None\n",
+        "    facts = _MESH_FACTS.get(device_mesh)\n",
+        "    facts = None\n",
+        (
+            "tests/test_save_plan_cache.py::"
+            "test_a_save_reads_each_device_meshs_ranks_once_not_once_per_dtensor",
+        ),
+    ),
+    Mutation(
+        "shard layout computed per DTensor",
+        "a save's planning does not grow with ranks x tensors (device meshes)",
+        "src/shardpoint/tensor_kinds.py",
+        "    box = boxes.get(key)\n",
+        "    box = None\n",
         (
             "tests/test_save_plan_cache.py::"
             "test_a_save_reads_each_device_meshs_ranks_once_not_once_per_dtensor",

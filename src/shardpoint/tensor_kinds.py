@@ -8,6 +8,7 @@ placements make several ranks hold the same shard.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,19 +46,32 @@ def may_be_replicated(t: torch.Tensor) -> bool:
     return not is_dtensor(t) or any(isinstance(p, Replicate) for p in t.placements)
 
 
-# One Mesh per DeviceMesh, so its lookups are shared: reading a mesh's ranks costs
-# O(ranks), 1.3 ms at 16,384 ranks, and a save looks at every DTensor's mesh (10,000 of
-# them: 13 s per save).
-_MESHES: weakref.WeakKeyDictionary[Any, Mesh] = weakref.WeakKeyDictionary()
+@dataclass
+class _MeshFacts:
+    """What a save needs of one DeviceMesh, read once: its ranks (O(ranks): 1.3 ms at
+    16,384 ranks, and a save looks at the mesh of each of 10,000 DTensors), this rank's
+    coordinate, and per placements and global shape what torch's layout gives
+    (a mixture-of-experts state repeats a few shapes 100,000 times)."""
+
+    mesh: Mesh
+    coord: tuple[int, ...]
+    shardings: dict[tuple[Any, ...], Sharding | None] = field(default_factory=dict)
+    boxes: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]] = field(
+        default_factory=dict
+    )
 
 
-def _mesh_of(device_mesh: Any) -> Mesh:
-    mesh = _MESHES.get(device_mesh)
-    if mesh is None:
+_MESH_FACTS: weakref.WeakKeyDictionary[Any, _MeshFacts] = weakref.WeakKeyDictionary()
+
+
+def _facts(device_mesh: Any) -> _MeshFacts:
+    facts = _MESH_FACTS.get(device_mesh)
+    if facts is None:
         ranks = device_mesh.mesh
         mesh = Mesh(tuple(ranks.shape), tuple(int(r) for r in ranks.flatten().tolist()))
-        _MESHES[device_mesh] = mesh
-    return mesh
+        coord = tuple(int(c) for c in device_mesh.get_coordinate() or ())
+        facts = _MESH_FACTS[device_mesh] = _MeshFacts(mesh, coord)
+    return facts
 
 
 def regular_sharding(
@@ -69,21 +83,28 @@ def regular_sharding(
     gives this rank."""
     if dist.in_solo() or not is_dtensor(t):
         return None
-    kinds = [type(p) for p in t.placements]
-    if Shard not in kinds or not all(k in (Shard, Replicate) for k in kinds):
-        return None  # all replicated (planned), strided or partial placements
-    mesh = _mesh_of(t.device_mesh)
-    dims = tuple(p.dim if isinstance(p, Shard) else REPLICATED for p in t.placements)
-    sharding = Sharding(mesh, dims)
-    coord = tuple(int(c) for c in t.device_mesh.get_coordinate() or ())
-    expected = sharding.box(tuple(t.shape), coord)
+    facts = _facts(t.device_mesh)
+    placements = tuple(t.placements)
+    if placements not in facts.shardings:
+        facts.shardings[placements] = _described(placements, facts.mesh)
+    sharding = facts.shardings[placements]
+    if sharding is None:
+        return None
+    expected = sharding.box(tuple(t.shape), facts.coord)
     if (tuple(offsets), tuple(shape)) != expected:
         raise UnsupportedValueError(
             f"cannot describe the sharding of DTensor {name!r} ({t.placements} on mesh "
-            f"{list(mesh.shape)}): its local chunk is at {list(offsets)} with shape "
+            f"{list(sharding.mesh.shape)}): its local chunk is at {list(offsets)} with shape "
             f"{list(shape)}, the format's rule gives {expected}; please report this"
         )
     return sharding
+
+
+def _described(placements: tuple[Any, ...], mesh: Mesh) -> Sharding | None:
+    kinds = [type(p) for p in placements]
+    if Shard not in kinds or not all(k in (Shard, Replicate) for k in kinds):
+        return None  # all replicated (planned), strided or partial placements
+    return Sharding(mesh, tuple(p.dim if isinstance(p, Shard) else REPLICATED for p in placements))
 
 
 def _dtensor_part(
@@ -95,7 +116,13 @@ def _dtensor_part(
             "redistribute it to Shard or Replicate first"
         )
     local = t.to_local()
-    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    if tuple(shape) != tuple(local.shape):  # padded shards: keep the real part
+    boxes = _facts(t.device_mesh).boxes
+    key = (tuple(t.shape), tuple(t.placements))
+    box = boxes.get(key)
+    if box is None:
+        shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        box = boxes[key] = (tuple(shape), tuple(int(o) for o in offsets))
+    shape, offsets = box
+    if shape != tuple(local.shape):  # padded shards: keep the real part
         local = local[tuple(slice(0, s) for s in shape)]
-    return local, tuple(t.shape), tuple(int(o) for o in offsets)
+    return local, key[0], offsets
