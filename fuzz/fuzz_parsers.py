@@ -1,12 +1,14 @@
 """Coverage-guided fuzzing (atheris/libFuzzer) of the format parsers and the CLI on top.
 
-The first byte of an input picks the target, so all three share one corpus:
+The first byte of an input picks the target, so all four share one corpus:
 
     0  a shard file: ``header_length`` + ``parse_header``
     1  ``index.json`` bytes: ``parse_index``
     2  ``index.json`` bytes committed (with a matching marker) next to the files of a
        seed checkpoint (the sharded one if the index names a fragment):
        ``shardpoint.verify``, ``open(...).get``, and ``shardpoint inspect | verify | ls``
+    3  a chunk fragment: rank 1's in the sharded seed, re-signed in its index (as a
+       hostile writer could), then as target 2
 
 Findings: an exception other than CheckpointError from the library; a shape the
 parsers accept that torch cannot allocate; a CLI command that raises instead of
@@ -42,8 +44,16 @@ with atheris.instrument_imports(include=["shardpoint"]):
     import shardpoint
     from shardpoint.cli import main as cli_main
     from shardpoint.errors import CheckpointError
-    from shardpoint.format.index import INDEX_NAME, MARKER_NAME, marker_json, parse_index
+    from shardpoint.format.index import (
+        FRAGMENT_FORMAT,
+        INDEX_NAME,
+        MARKER_NAME,
+        checksum,
+        marker_json,
+        parse_index,
+    )
     from shardpoint.format.safetensors import DTYPES, header_length, parse_header
+    from shardpoint.names import fragment_file
 
 EDGE_VALUES: tuple[Any, ...] = (
     *(-1, -(2**63), 0, 1, 7, 2**31, 2**32 + 1, 2**53 + 1, 2**61, 2**62, 2**63 - 1),
@@ -63,6 +73,7 @@ _state = {"w": _w, "tied": _w, "empty": torch.zeros(0, 3), "meta": (1, b"x", Non
 shardpoint.save(_state, _TMP / "seed", metadata={"step": 1, "run": "fuzz"})
 _SHARDED = Path(__file__).resolve().parents[1] / "tests" / "data" / "v2-two-ranks"
 SEED_INDEXES = ((_TMP / "seed" / INDEX_NAME).read_bytes(), (_SHARDED / INDEX_NAME).read_bytes())
+SEED_FRAGMENT = (_SHARDED / fragment_file(1)).read_bytes()
 WORK, WORK_SHARDED = _TMP / "work", _TMP / "work-sharded"
 for _seed, _work in ((_TMP / "seed", WORK), (_SHARDED, WORK_SHARDED)):
     _work.mkdir()
@@ -103,10 +114,21 @@ def check_committed(index: bytes) -> None:
         assert rc == 0 or not verified, f"{command} exits {rc} on a verified checkpoint: {output}"
 
 
+def check_fragment(fragment: bytes) -> None:
+    index = json.loads(SEED_INDEXES[1])
+    index["fragments"]["1"] = [len(fragment), checksum(fragment)]
+    index["files"][fragment_file(1)] = {"size": len(fragment)}
+    (WORK_SHARDED / fragment_file(1)).write_bytes(fragment)
+    try:
+        check_committed(json.dumps(index).encode())
+    finally:  # target 2 expects the seed's own fragment
+        (WORK_SHARDED / fragment_file(1)).write_bytes(SEED_FRAGMENT)
+
+
 def one_input(data: bytes) -> None:
     if not data:
         return
-    target, body = data[0] % 3, data[1:]
+    target, body = data[0] % 4, data[1:]
     try:
         if target == 0:
             n = header_length(body[:8], len(body), "shard")
@@ -115,8 +137,10 @@ def one_input(data: bytes) -> None:
         elif target == 1:
             for entry in parse_index(body, INDEX_NAME).entries.values():
                 _allocatable(entry.shape, entry.dtype)
-        else:
+        elif target == 2:
             check_committed(body)
+        else:
+            check_fragment(body)
     except CheckpointError:
         pass
 
@@ -194,10 +218,12 @@ def mutate(data: bytes, max_size: int, seed: int) -> bytes:
     except (ValueError, RecursionError):
         doc = None
     if not isinstance(doc, (dict, list)):
-        doc = json.loads(rng.choice(SEED_INDEXES))
+        doc = json.loads(rng.choice((*SEED_INDEXES, SEED_FRAGMENT)))
     put_edge_values(doc, rng)
+    fragment = isinstance(doc, dict) and doc.get("format") == FRAGMENT_FORMAT
+    target = 3 if fragment else rng.choice((1, 2))
     try:
-        out = bytes([rng.choice((1, 2))]) + json.dumps(doc, separators=(",", ":")).encode()
+        out = bytes([target]) + json.dumps(doc, separators=(",", ":")).encode()
     except RecursionError:  # as deep as json.loads allows, one frame too deep to dump
         return atheris.Mutate(data, max_size)
     return out if len(out) <= max_size else atheris.Mutate(data, max_size)

@@ -380,6 +380,42 @@ def test_a_tree_that_keeps_a_value_in_a_fragment_that_lacks_it_fails_verify(tmp_
         shardpoint.open(ckpt)
 
 
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ({"tensor": "\x00"}, "names tensor '\\x00', which neither it nor index.json holds"),
+        ({"in_fragment": [1, "own.1"]}, "refers to a fragment again"),
+    ],
+    ids=["tensor-held-nowhere", "fragment-in-a-fragment"],
+)
+def test_a_fragment_value_naming_what_no_file_holds_is_a_typed_error(tmp_path, value, match):
+    """Found by the fuzzer (a fragment re-signed in the index, as a hostile writer
+    could): ``shardpoint inspect`` raised a bare KeyError for a value naming a tensor
+    held nowhere; a value naming a fragment again would recurse without end."""
+    from conftest import rewrite_index
+
+    from shardpoint.cli import main as cli_main
+    from shardpoint.format.index import checksum
+
+    ckpt = tmp_path / "named"
+    shutil.copytree(GOLDEN_V2, ckpt)
+    path = ckpt / fragment_file(1)
+    doc = json.loads(path.read_text())
+    doc["values"]["own.1"]["dict"][1][1] = value  # ["mask", {"tensor": "own.1.mask"}]
+    raw = json.dumps(doc).encode()
+    path.write_bytes(raw)
+
+    def sign(index):
+        index["fragments"]["1"] = [len(raw), checksum(raw)]
+        index["files"][fragment_file(1)]["size"] = len(raw)
+
+    rewrite_index(ckpt, sign)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(match)):
+        shardpoint.open(ckpt)
+    assert not shardpoint.verify(ckpt).ok
+    assert cli_main(["inspect", str(ckpt)]) == 2
+
+
 def _save_rng(rank: int, world: int, path: str) -> None:
     torch.manual_seed(1000 + rank)
     torch.rand(3)  # move the stream on from the seed

@@ -26,8 +26,9 @@ def test_parsers_survive_coverage_guided_fuzzing(tmp_path):
     corpus.mkdir()
     (corpus / "index").write_bytes(b"\x01" + (ckpt / "index.json").read_bytes())
     (corpus / "shard").write_bytes(b"\x00" + next(ckpt.glob("*.safetensors")).read_bytes())
-    sharded = Path(__file__).parent / "data" / "v2-two-ranks" / "index.json"  # meshes, fragments
-    (corpus / "sharded-index").write_bytes(b"\x02" + sharded.read_bytes())
+    sharded = Path(__file__).parent / "data" / "v2-two-ranks"  # meshes, fragments
+    (corpus / "sharded-index").write_bytes(b"\x02" + (sharded / "index.json").read_bytes())
+    (corpus / "fragment").write_bytes(b"\x03" + (sharded / "rank00001.chunks.json").read_bytes())
     done = subprocess.run(
         [
             sys.executable,

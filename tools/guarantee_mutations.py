@@ -35,6 +35,9 @@ class Mutation:
 
 
 HOSTILE = "tests/test_hostile_files.py::"
+FRAGMENT_VALUES = (
+    "tests/test_format_v2.py::test_a_fragment_value_naming_what_no_file_holds_is_a_typed_error"
+)
 V2_HUGE_MESH = (
     "tests/test_format_v2.py::"
     "test_an_index_claiming_a_mesh_of_2_to_the_62_ranks_is_a_typed_error_in_bounded_time"
@@ -699,6 +702,22 @@ MUTATIONS = [
             "tests/test_save_plan_cache.py::"
             "test_a_save_reads_each_device_meshs_ranks_once_not_once_per_dtensor",
         ),
+    ),
+    Mutation(
+        "fragment value's tensors not looked up",
+        "hostile input gives typed errors only (values kept in fragments)",
+        "src/shardpoint/format/index.py",
+        "                if tensor not in entries and not elsewhere:\n",
+        "                if False:\n",
+        (FRAGMENT_VALUES + "[tensor-held-nowhere]",),
+    ),
+    Mutation(
+        "fragment in a fragment followed",
+        "hostile input gives typed errors only (values kept in fragments)",
+        "src/shardpoint/format/index.py",
+        '    raise ValueError("a value kept in a fragment refers to a fragment again")\n',
+        "    return None\n",
+        (FRAGMENT_VALUES + "[fragment-in-a-fragment]",),
     ),
     Mutation(
         "save reads the signal flag again",

@@ -480,11 +480,26 @@ def parse_fragment(raw: bytes, where: str, rank: int, index: Index) -> Fragment:
             ):
                 raise _corrupt(where, f"its chunk of {name!r} is not the one rank {rank} holds")
             chunks[name] = chunk
+        for path, value in values.items():  # each tensor a value names is held somewhere
+            named: list[str] = []
+            tree_codec.decode(value, named.append, _nested_fragment)  # type: ignore[arg-type]
+            for tensor in named:
+                elsewhere = tensor in index.entries or tensor in index.aliases
+                if tensor not in entries and not elsewhere:
+                    raise _corrupt(
+                        where,
+                        f"its value at {path!r:.100} names tensor {tensor!r:.100}, which neither "
+                        f"it nor {INDEX_NAME} holds",
+                    )
     except CorruptCheckpointError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
         raise _corrupt(where, f"malformed fragment ({type(exc).__name__}: {exc})") from None
     return Fragment(chunks, values, entries)
+
+
+def _nested_fragment(rank: int, path: str) -> Any:
+    raise ValueError("a value kept in a fragment refers to a fragment again")
 
 
 def _parse_chunk(
