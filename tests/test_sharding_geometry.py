@@ -107,3 +107,26 @@ def test_replicas_share_the_writing_and_each_chunk_has_one_writer_among_its_hold
         written[writer] = written.get(writer, 0) + 1
     assert max(written.values()) - min(written.values()) <= 1
     assert sum(written.values()) == _prod(n for n, d in zip(mesh, dims) if d != REPLICATED)
+
+
+class _CountedRanks(tuple):
+    hashed = 0
+
+    def __hash__(self) -> int:
+        type(self).hashed += 1
+        return super().__hash__()
+
+
+def test_a_strided_mesh_is_looked_up_without_hashing_its_ranks_again():
+    """A save looks each sharded entry's mesh up in a dict (10,000-100,000 entries): an
+    FSDP sub-mesh with TP inside holds strided ranks (1, 9, 17, ... 2,048 of them), and
+    hashing them per lookup doubled a steady save's planning at 16,384 ranks."""
+    ranks = _CountedRanks(range(1, 16384, 8))
+    mesh = Mesh((len(ranks),), ranks)
+    assert mesh.ranks is ranks  # not consecutive: kept as given
+    table = {mesh: 0}
+    for _ in range(1000):
+        table[mesh] += 1
+    assert table[Mesh((len(ranks),), _CountedRanks(ranks))] == 1000  # equal meshes, one key
+    assert _CountedRanks.hashed == 0
+    assert Mesh((4,), (3, 4, 5, 6)).ranks == range(3, 7)  # consecutive: a range

@@ -720,6 +720,17 @@ MUTATIONS = [
         (FRAGMENT_VALUES + "[fragment-in-a-fragment]",),
     ),
     Mutation(
+        "mesh hashed by its ranks",
+        "a save's planning does not grow with ranks x tensors (strided meshes)",
+        "src/shardpoint/sharding.py",
+        "        return hash(self.digest)\n",
+        "        return hash((self.shape, self.ranks))\n",
+        (
+            "tests/test_sharding_geometry.py::"
+            "test_a_strided_mesh_is_looked_up_without_hashing_its_ranks_again",
+        ),
+    ),
+    Mutation(
         "save reads the signal flag again",
         "every rank acts on the same preemption decision",
         "src/shardpoint/training/manager.py",

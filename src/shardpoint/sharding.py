@@ -56,6 +56,11 @@ class Mesh:
         """Identifies the mesh in a structure digest without hashing every rank each time."""
         return xxhash.xxh3_64_hexdigest(repr((self.shape, self.ranks_json())).encode())
 
+    def __hash__(self) -> int:
+        # A save looks its mesh up once per sharded entry: a strided mesh (FSDP's
+        # sub-mesh with TP inside) would hash its 2,048 ranks each time.
+        return hash(self.digest)
+
     @cached_property
     def _flat_of(self) -> dict[int, int]:
         return {r: i for i, r in enumerate(self.ranks)}
