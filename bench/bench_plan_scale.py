@@ -171,19 +171,9 @@ def _real_load_plan(state: dict[str, Any], sharding: Sharding, shape: tuple[int,
     fragment = fragment_json(
         1, {n: chunk_for(n, i, 1, offsets, local) for i, n in enumerate(names)}, {}, []
     )
-    files = {shard_file(r, 0): 400_000_000 for r in range(ranks)}
-    files |= {fragment_file(r): 1_000_000 for r in range(ranks)}
-    fragments = {r: (1_000_000, "0123456789abcdef") for r in range(ranks)}
-    files[fragment_file(1)], fragments[1] = len(fragment), (len(fragment), digest_of(fragment))
-    entries = {n: TensorEntry(n, "BF16", shape, ()) for n in names}
-    for i in range(NORMS):
-        n = f"layers.{i}.norm.weight"
-        entries[n] = TensorEntry(n, "F32", (COLS,), (chunk_for(n, i, i, (0,), (COLS,), 4),))
-    index = Index(
-        files, entries, {}, {"dict": [[n, {"tensor": n}] for n in entries]},
-        "2026-01-01T00:00:00+00:00", "0", ranks,
-        shardings={n: sharding for n in names}, fragments=fragments,
-    )  # fmt: skip
+    index = job_index(ranks, {n: ("BF16", shape, sharding) for n in names})
+    index.files[fragment_file(1)] = len(fragment)
+    index.fragments[1] = (len(fragment), digest_of(fragment))
     raw = index.to_json()
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "index.json").write_bytes(raw)
@@ -198,6 +188,24 @@ def _real_load_plan(state: dict[str, Any], sharding: Sharding, shape: tuple[int,
         seconds = time.perf_counter() - start
     assert found == len(state), found  # each region is one stored chunk
     return seconds
+
+
+def job_index(ranks: int, table: dict[str, tuple[str, tuple[int, ...], Sharding]]) -> Index:
+    """The version 2 index of a job whose sharded entries are ``table`` (name: dtype,
+    global shape, sharding), plus the replicated norms; every rank's shard file and
+    fragment listed (placeholder sizes and checksums)."""
+    files = {shard_file(r, 0): 400_000_000 for r in range(ranks)}
+    files |= {fragment_file(r): 1_000_000 for r in range(ranks)}
+    entries = {n: TensorEntry(n, dt, gs, ()) for n, (dt, gs, _) in table.items()}
+    for i in range(NORMS):
+        n = f"layers.{i}.norm.weight"
+        entries[n] = TensorEntry(n, "F32", (COLS,), (chunk_for(n, i, i, (0,), (COLS,), 4),))
+    return Index(
+        files, entries, {}, {"dict": [[n, {"tensor": n}] for n in entries]},
+        "2026-01-01T00:00:00+00:00", "0", ranks,
+        shardings={n: s for n, (_, _, s) in table.items()},
+        fragments={r: (1_000_000, "0123456789abcdef") for r in range(ranks)},
+    )  # fmt: skip
 
 
 def chunk_for(name: str, i: int, rank: int, offsets, shape, item: int = 2) -> Chunk:
@@ -241,19 +249,8 @@ def v2_case(name: str, ranks: int, params: int) -> dict[str, float]:
 
     # Rank 0: the index from the plan and every rank's small report.
     start = time.perf_counter()
-    files = {shard_file(r, 0): 400_000_000 for r in range(ranks)}
-    files |= {fragment_file(r): 1_000_000 for r in range(ranks)}
-    entries = {n: TensorEntry(n, dt, gs, ()) for n, (dt, gs, _) in table.items()}
-    shardings = {n: s for n, (_, _, s) in table.items()}
-    for i in range(NORMS):
-        n = f"layers.{i}.norm.weight"
-        entries[n] = TensorEntry(n, "F32", (COLS,), (chunk_for(n, i, i, (0,), (COLS,), 4),))
-    fragments = {r: (1_000_000, "0123456789abcdef") for r in range(ranks)}
-    tree = {"dict": [[n, {"tensor": n}] for n in entries]}
-    index = Index(
-        files, entries, {}, tree, "2026-01-01T00:00:00+00:00", "0", ranks,
-        shardings=shardings, fragments=fragments,
-    )  # fmt: skip
+    index = job_index(ranks, table)
+    tree = index.tree
     raw = index.to_json()
     out["rank0_commit_s"] = time.perf_counter() - start
     out["index_bytes"] = len(raw)
@@ -309,7 +306,7 @@ def v2_case(name: str, ranks: int, params: int) -> dict[str, float]:
     coord = sharding.mesh.coord_of(1)
     assert coord is not None
     offsets, local = sharding.box(shape, coord)
-    mine = {n: chunk_for(n, i, 1, offsets, local) for i, n in enumerate(shardings)}
+    mine = {n: chunk_for(n, i, 1, offsets, local) for i, n in enumerate(index.shardings)}
     fragment = fragment_json(1, mine, {}, [])
     start = time.perf_counter()
     parsed = parse_index(raw, "index.json")
