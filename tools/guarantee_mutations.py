@@ -674,8 +674,8 @@ MUTATIONS = [
         "fragment values not resolved",
         "hostile input gives typed errors only (values kept in fragments)",
         "src/shardpoint/checkpoint_dir.py",
-        "            tree_codec.decode(self.index.tree, lambda name: None, self.fragment_value)\n",
-        "            pass\n",
+        "        tree_codec.decode(self.index.tree, lambda name: None, self.fragment_value)\n",
+        "        pass\n",
         (
             "tests/test_format_v2.py::"
             "test_a_tree_that_keeps_a_value_in_a_fragment_that_lacks_it_fails_verify",
