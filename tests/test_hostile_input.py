@@ -171,6 +171,26 @@ def test_deeply_nested_json_is_a_typed_error_not_a_crash():
         parse_index(raw, "index.json")
 
 
+@pytest.mark.parametrize(
+    "later, why",
+    [
+        (b'"\xff"', "not valid UTF-8 JSON"),
+        (b'"\\ud800"', "is not valid Unicode"),
+        (b"NaN", "not valid UTF-8 JSON"),
+        (b"1e400", "not valid JSON"),
+    ],
+)
+def test_a_wrong_value_before_what_json_cannot_hold_is_still_a_typed_error(later, why):
+    """The decoder stops at the first value of a wrong type (here a negative offset):
+    what follows it must still be checked to be JSON before that value is named."""
+    doc = json.loads(_valid_index())
+    doc["tensors"]["w"]["chunks"][0]["offsets"] = [-1, 0]
+    doc["metadata"] = {"later": "PLACEHOLDER"}  # the metadata follows the tensors
+    raw = json.dumps(doc).encode().replace(b'"PLACEHOLDER"', later)
+    with pytest.raises(CorruptCheckpointError, match=f"^index.json: .*{why}"):
+        parse_index(raw, "index.json")
+
+
 edge_ints = st.sampled_from([-1, 0, 1, 2**31, 2**53 + 1, 2**61, 2**62, 2**63 - 1, 2**63, 2**70])
 
 

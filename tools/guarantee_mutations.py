@@ -720,6 +720,25 @@ MUTATIONS = [
         (FRAGMENT_VALUES + "[fragment-in-a-fragment]",),
     ),
     Mutation(
+        "chunk numbers not range-checked while decoding",
+        "hostile input gives typed errors only",
+        "src/shardpoint/format/index.py",
+        "_UInt64 = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]\n",
+        "_UInt64 = int\n",
+        ("tests/test_format_edge_values.py::test_a_number_of_the_index_out_of_its_range_is_corrupt",),
+    ),
+    Mutation(
+        "the rest of a refused index not checked to be JSON",
+        "hostile input gives typed errors only",
+        "src/shardpoint/format/index.py",
+        "    _decode(_DECODE_JSON, raw, where)\n",
+        "",
+        (
+            "tests/test_hostile_input.py::"
+            "test_a_wrong_value_before_what_json_cannot_hold_is_still_a_typed_error",
+        ),
+    ),
+    Mutation(
         "mesh hashed by its ranks",
         "a save's planning does not grow with ranks x tensors (strided meshes)",
         "src/shardpoint/sharding.py",

@@ -4,7 +4,9 @@
 Parsing is strict: anything the index claims is checked for type and range (every
 number an int, not a bool or a float, that fits in int64; every string valid Unicode),
 and file names must be plain names inside the checkpoint directory, before any shard
-byte is read.
+byte is read. An index may list millions of chunks: msgspec decodes them into typed
+records and checks their numbers in C; what relates one field to another (a chunk
+inside its tensor, inside its file) is checked here.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import xxhash
 
 from .. import tree as tree_codec
@@ -277,29 +280,185 @@ def _int(value: object, what: str, where: str, low: int = 0) -> int:
     return value  # type: ignore[return-value]
 
 
-@gc_paused()  # millions of objects for a large index, none of them in a cycle
-def parse_index(raw: bytes, where: str) -> Index:
-    """Strictly parse and cross-check an index; raises CorruptCheckpointError naming ``where``."""
+# What msgspec decodes. Numbers a chunk holds (millions of them in a large index) are
+# typed, so msgspec checks them in C; everything else stays a plain JSON value and is
+# checked below, with messages that name the entry.
+_UInt64 = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+
+
+class _ChunkDoc(msgspec.Struct):
+    file: Any
+    key: Any
+    offsets: tuple[_UInt64, ...]
+    shape: tuple[_UInt64, ...]
+    byte_range: tuple[_UInt64, _UInt64]
+    block_rows: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+    checksums: Any
+
+
+class _EntryDoc(msgspec.Struct):
+    dtype: Any = msgspec.UNSET
+    shape: tuple[_UInt64, ...] | msgspec.UnsetType = msgspec.UNSET
+    chunks: tuple[_ChunkDoc, ...] | msgspec.UnsetType = msgspec.UNSET
+    sharding: Any = msgspec.UNSET
+    alias_of: Any = msgspec.UNSET
+
+
+class _Head(msgspec.Struct):
+    """The fields that say what a document is, decoded first when the rest fails."""
+
+    format: Any = None
+    format_version: Any = None
+    checksum_algorithm: Any = None
+    rank: Any = None
+    tensors: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"{}"))
+
+
+class _IndexDoc(msgspec.Struct):
+    files: Any
+    tensors: dict[str, _EntryDoc]
+    tree: Any
+    created: Any
+    library_version: Any
+    format: Any = None
+    format_version: Any = None
+    checksum_algorithm: Any = None
+    world_size: Any = 1
+    meshes: Any = msgspec.UNSET
+    fragments: Any = msgspec.UNSET
+    metadata: Any = msgspec.field(default_factory=dict)
+
+
+class _FragmentTensorDoc(msgspec.Struct):
+    dtype: Any
+    shape: tuple[_UInt64, ...]
+    chunk: _ChunkDoc
+
+
+class _FragmentDoc(msgspec.Struct):
+    chunks: dict[str, _ChunkDoc]
+    tensors: dict[str, _FragmentTensorDoc]
+    values: Any
+    format: Any = None
+    rank: Any = None
+
+
+_DECODE_INDEX = msgspec.json.Decoder(_IndexDoc)
+_DECODE_ENTRY = msgspec.json.Decoder(_EntryDoc)
+_DECODE_FRAGMENT = msgspec.json.Decoder(_FragmentDoc)
+_DECODE_HEAD = msgspec.json.Decoder(_Head)
+_DECODE_JSON = msgspec.json.Decoder()
+# A chunk's lists of ints, as messages name them, and their lengths (-1: the rank).
+_CHUNK_FIELDS = [
+    ("offsets", "chunk offsets", -1),
+    ("shape", "chunk shape", -1),
+    ("byte_range", "chunk byte_range", 2),
+]
+
+
+class _WrongValue(Exception):
+    """msgspec refused a value of the wrong type or range (its message says where)."""
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], raw: bytes, where: str) -> Any:
+    """``raw`` decoded. A value of the wrong type or range raises ``_WrongValue`` (the
+    caller says which); JSON that is not even that is refused here: bad UTF-8, a lone
+    surrogate, ``NaN``, a number out of range, nesting too deep."""
+    try:
+        return decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        if "Number out of range" in str(exc):
+            raise _corrupt(where, f"not valid JSON ({exc})") from None
+        raise _WrongValue(str(exc)) from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise _why_not_json(raw, where, exc) from None
+
+
+def _why_not_json(raw: bytes, where: str, exc: Exception) -> CorruptCheckpointError:
+    """Name what msgspec refused: it reports a lone surrogate as truncated input."""
     try:
         text = raw.decode("utf-8")
-        doc = strict_json(text)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise _corrupt(where, f"not valid UTF-8 JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise _corrupt(where, 'not a shardpoint index (missing "format": "shardpoint")')
-    invalid = lone_surrogate(text, doc)
+        invalid = lone_surrogate(text, strict_json(text))
+    except (UnicodeDecodeError, ValueError, RecursionError) as plain:
+        return _corrupt(where, f"not valid UTF-8 JSON ({plain})")
     if invalid is not None:
-        raise _corrupt(
+        return _corrupt(
             where, f"the string {invalid!r:.200} is not valid Unicode (a lone surrogate)"
         )
-    version = _int(doc.get("format_version"), "format_version", where, low=1)
+    return _corrupt(where, f"not valid UTF-8 JSON ({exc})")
+
+
+def _check_head(version: Any, algorithm: Any, where: str) -> int:
+    version = _int(version, "format_version", where, low=1)
     if version > FORMAT_VERSION:
         raise CorruptCheckpointError(
             f"{where}: format_version {version!r} is not supported by this shardpoint "
             f"(reads up to {FORMAT_VERSION}); upgrade shardpoint to read it"
         )
-    if doc.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
-        raise _corrupt(where, f"unknown checksum_algorithm {doc.get('checksum_algorithm')!r:.200}")
+    if algorithm != CHECKSUM_ALGORITHM:
+        raise _corrupt(where, f"unknown checksum_algorithm {algorithm!r:.200}")
+    return version
+
+
+def _head(raw: bytes, where: str) -> _Head | None:
+    """What a document msgspec refused says it is; None if it is not a JSON object.
+    msgspec stops at the first wrong value: the rest must be checked to be JSON too."""
+    _decode(_DECODE_JSON, raw, where)
+    try:
+        return _decode(_DECODE_HEAD, raw, where)  # type: ignore[no-any-return]
+    except _WrongValue:
+        return None
+
+
+def _refused_index(raw: bytes, where: str, problem: str) -> CorruptCheckpointError:
+    """Why msgspec refused (``problem``) a syntactically valid index: what it is
+    (format, version) first, then the entry, and the field of it, with a wrong value."""
+    head = _head(raw, where)
+    if head is None or head.format != FORMAT_NAME:
+        return _corrupt(where, 'not a shardpoint index (missing "format": "shardpoint")')
+    _check_head(head.format_version, head.checksum_algorithm, where)
+    try:
+        entries = msgspec.json.decode(head.tensors, type=dict[str, msgspec.Raw])
+    except msgspec.ValidationError:
+        entries = {}
+    for name, entry in entries.items():
+        try:
+            _DECODE_ENTRY.decode(entry)
+        except msgspec.ValidationError as exc:
+            return _corrupt(where, _entry_problem(name, entry, str(exc), where))
+    return _corrupt(where, f"malformed index ({problem})")
+
+
+def _entry_problem(name: str, entry: msgspec.Raw, problem: str, where: str) -> str:
+    """Entry ``name`` has a value of the wrong type or range (msgspec's ``problem``):
+    name the field and the value, as the checks of a decoded entry would."""
+    doc = msgspec.json.decode(entry)
+    if isinstance(doc, dict):
+        shape = doc.get("shape")
+        if shape is not None:  # raises if it is wrong
+            _dtype_and_shape(doc.get("dtype"), _ints(shape, "shape", name, where), name, where)
+        chunks = doc.get("chunks")
+        at = problem.rpartition(" - at `$.chunks[")[2].partition("]")[0]
+        if at.isdigit() and isinstance(chunks, list) and isinstance(chunks[int(at)], dict):
+            chunk, n = chunks[int(at)], len(shape) if isinstance(shape, list) else None
+            for field, what, length in _CHUNK_FIELDS:
+                if field in chunk:
+                    _ints(chunk[field], what, name, where, length=n if length == -1 else length)
+            if "block_rows" in chunk:
+                _int(chunk["block_rows"], f"block_rows of a chunk of {name!r}", where, low=1)
+    return f"entry {name!r} is malformed ({problem})"
+
+
+@gc_paused()  # millions of objects for a large index, none of them in a cycle
+def parse_index(raw: bytes, where: str) -> Index:
+    """Strictly parse and cross-check an index; raises CorruptCheckpointError naming ``where``."""
+    try:
+        doc = _decode(_DECODE_INDEX, raw, where)
+    except _WrongValue as exc:
+        raise _refused_index(raw, where, str(exc)) from None
+    if doc.format != FORMAT_NAME:
+        raise _corrupt(where, 'not a shardpoint index (missing "format": "shardpoint")')
+    _check_head(doc.format_version, doc.checksum_algorithm, where)
     try:
         return _parse_fields(doc, where)
     except CorruptCheckpointError:
@@ -308,10 +467,10 @@ def parse_index(raw: bytes, where: str) -> Index:
         raise _corrupt(where, f"malformed index ({type(exc).__name__}: {exc})") from None
 
 
-def _parse_fields(doc: dict[str, Any], where: str) -> Index:
+def _parse_fields(doc: _IndexDoc, where: str) -> Index:
     files: dict[str, int] = {}
     headers: dict[str, str] = {}
-    for name, info in doc["files"].items():
+    for name, info in doc.files.items():
         check_file_name(name, where)
         files[name] = _int(info["size"], f"size of file {name!r}", where)
         header = info.get("header")
@@ -320,30 +479,39 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
                 raise _corrupt(where, f"file {name!r} has a malformed header checksum")
             headers[name] = header
 
-    world_size = _int(doc.get("world_size", 1), "world_size", where, low=1)
-    version = doc["format_version"]
-    meshes = _parse_meshes(doc["meshes"], world_size, where) if version >= 2 else []
-    fragments = _parse_fragments(doc["fragments"], world_size, where) if version >= 2 else {}
+    world_size = _int(doc.world_size, "world_size", where, low=1)
+    version = doc.format_version
+    meshes = _parse_meshes(_given(doc.meshes), world_size, where) if version >= 2 else []
+    fragments = (
+        _parse_fragments(_given(doc.fragments), world_size, where) if version >= 2 else {}
+    )
     entries: dict[str, TensorEntry] = {}
     aliases: dict[str, str] = {}
     shardings: dict[str, Sharding] = {}
-    for name, spec in doc["tensors"].items():
-        if set(spec) == {"alias_of"}:
-            aliases[name] = spec["alias_of"]
+    unset = msgspec.UNSET
+    for name, spec in doc.tensors.items():
+        if spec.alias_of is not unset and spec.dtype is unset and spec.shape is unset:
+            if spec.chunks is not unset or spec.sharding is not unset:
+                raise _corrupt(where, f"alias {name!r} also holds chunks or a sharding")
+            aliases[name] = spec.alias_of
             continue
-        dtype, shape = _dtype_and_shape(spec, name, where)
-        if version >= 2 and "sharding" in spec:
-            shardings[name] = _parse_sharding(spec["sharding"], name, shape, meshes, where)
+        if spec.shape is unset:
+            raise _corrupt(where, f"entry {name!r} has no shape")
+        dtype, shape = _dtype_and_shape(spec.dtype, spec.shape, name, where)
+        if version >= 2 and spec.sharding is not unset:
+            shardings[name] = _parse_sharding(spec.sharding, name, shape, meshes, where)
             entries[name] = TensorEntry(name, dtype, shape, ())  # chunks: in the fragments
             continue
-        chunks = tuple(_parse_chunk(c, name, dtype, shape, files, where) for c in spec["chunks"])
+        if spec.chunks is unset:
+            raise _corrupt(where, f"entry {name!r} has neither chunks nor a sharding")
+        chunks = tuple([_parse_chunk(c, name, dtype, shape, files, where) for c in spec.chunks])
         _check_cover(name, shape, chunks, where)
         entries[name] = TensorEntry(name, dtype, shape, chunks)
     for name, target in aliases.items():
         if target not in entries:
             raise _corrupt(where, f"alias {name!r} points at missing entry {target!r:.200}")
 
-    tree = doc["tree"]
+    tree = doc.tree
     try:
         referenced = tree_codec.tensor_names(tree)
     except (ValueError, TypeError, AttributeError, KeyError) as exc:
@@ -356,7 +524,7 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
             "state tree and tensor table disagree "
             f"(e.g. {(unknown or sorted(known - set(referenced)))[:3]})",
         )
-    metadata = doc.get("metadata", {})
+    metadata = doc.metadata
     if not isinstance(metadata, dict):
         raise _corrupt(where, f"metadata must be a JSON object, got {metadata!r:.200}")
     return Index(
@@ -364,8 +532,8 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
         entries=entries,
         aliases=aliases,
         tree=tree,
-        created=str(doc["created"]),
-        library_version=str(doc["library_version"]),
+        created=str(doc.created),
+        library_version=str(doc.library_version),
         world_size=world_size,
         metadata=metadata,
         format_version=version,
@@ -375,12 +543,20 @@ def _parse_fields(doc: dict[str, Any], where: str) -> Index:
     )
 
 
-def _dtype_and_shape(spec: dict[str, Any], name: str, where: str) -> tuple[str, tuple[int, ...]]:
-    """An entry's dtype and global shape, checked (index entries and fragment tensors)."""
-    dtype = spec["dtype"]
+def _given(value: Any) -> Any:
+    """A field a version 2 index must have (a ``KeyError`` is reported as malformed)."""
+    if value is msgspec.UNSET:
+        raise KeyError("a field of format version 2 is missing")
+    return value
+
+
+def _dtype_and_shape(
+    dtype: Any, shape: tuple[int, ...], name: str, where: str
+) -> tuple[str, tuple[int, ...]]:
+    """An entry's dtype and global shape (its ints decoded), checked (index entries
+    and fragment tensors)."""
     if type(dtype) is not str or dtype not in DTYPES:
         raise _corrupt(where, f"entry {name!r} has unknown dtype {dtype!r:.200}")
-    shape = _ints(spec["shape"], "shape", name, where)
     if tensor_nbytes(dtype, shape) is None:
         raise _corrupt(where, f"shape {list(shape)} of {name!r} is {TOO_LARGE}")
     return dtype, shape
@@ -446,27 +622,29 @@ def parse_fragment(raw: bytes, where: str, rank: int, index: Index) -> Fragment:
     of its entry gives that rank, every tensor entry a whole tensor of a new name, and
     everything inside a listed file."""
     try:
-        text = raw.decode("utf-8")
-        doc = strict_json(text)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise _corrupt(where, f"not valid UTF-8 JSON ({exc})") from None
-    if type(doc) is not dict or doc.get("format") != FRAGMENT_FORMAT or doc.get("rank") != rank:
+        doc = _decode(_DECODE_FRAGMENT, raw, where)
+    except _WrongValue as exc:
+        head = _head(raw, where)
+        if head is None or head.format != FRAGMENT_FORMAT or head.rank != rank:
+            raise _corrupt(where, f"not the chunk fragment of rank {rank}") from None
+        raise _corrupt(where, f"malformed fragment ({exc})") from None
+    if doc.format != FRAGMENT_FORMAT or doc.rank != rank or type(doc.rank) is not int:
         raise _corrupt(where, f"not the chunk fragment of rank {rank}")
-    values = doc.get("values")
-    if type(values) is not dict or lone_surrogate(text, doc) is not None:
-        raise _corrupt(where, "its values are not a JSON object of valid Unicode")
+    values = doc.values
+    if type(values) is not dict:
+        raise _corrupt(where, "its values are not a JSON object")
     chunks: dict[str, Chunk] = {}
     entries: dict[str, TensorEntry] = {}
     try:
-        for name, spec in doc["tensors"].items():
-            dtype, shape = _dtype_and_shape(spec, name, where)
+        for name, spec in doc.tensors.items():
+            dtype, shape = _dtype_and_shape(spec.dtype, spec.shape, name, where)
             if name in index.entries or name in index.aliases:
                 raise _corrupt(where, f"entry {name!r} is also in {INDEX_NAME}")
-            chunk = _parse_chunk(spec["chunk"], name, dtype, shape, index.files, where)
+            chunk = _parse_chunk(spec.chunk, name, dtype, shape, index.files, where)
             if chunk.shape != shape:
                 raise _corrupt(where, f"the chunk of {name!r} is not the whole tensor")
             entries[name] = TensorEntry(name, dtype, shape, (chunk,))
-        for name, spec in doc["chunks"].items():
+        for name, spec in doc.chunks.items():
             sharding = index.shardings.get(name)
             if sharding is None:
                 raise _corrupt(where, f"names {name!r:.200}, which has no sharding in the index")
@@ -503,7 +681,7 @@ def _nested_fragment(rank: int, path: str) -> Any:
 
 
 def _parse_chunk(
-    spec: dict[str, Any],
+    spec: _ChunkDoc,
     name: str,
     dtype: str,
     shape: tuple[int, ...],
@@ -512,19 +690,18 @@ def _parse_chunk(
 ) -> Chunk:
     # This runs for every chunk of every tensor (100,000 chunks may make one tensor):
     # each check is written out, with no helper call on the path of a valid chunk.
-    file = spec["file"]
+    # msgspec checked the numbers' types and ranges.
+    file = spec.file
     if type(file) is not str or file not in files:  # names in `files` were checked already
         raise _corrupt(where, f"entry {name!r} names file {file!r:.200} not listed in files")
+    offsets, cshape = spec.offsets, spec.shape
     n = len(shape)
-    offsets = int64s(spec["offsets"], n)
-    cshape = int64s(spec["shape"], n)
-    byte_range = int64s(spec["byte_range"], 2)
-    if offsets is None or cshape is None or byte_range is None:
-        _ints(spec["offsets"], "chunk offsets", name, where, length=n)  # raises, naming
-        _ints(spec["shape"], "chunk shape", name, where, length=n)
-        _ints(spec["byte_range"], "chunk byte_range", name, where, length=2)
-    assert offsets is not None and cshape is not None and byte_range is not None
-    begin, end = byte_range
+    if len(offsets) != n or len(cshape) != n:
+        what = "offsets" if len(offsets) != n else "shape"
+        raise _corrupt(
+            where, f"chunk {what} of {name!r} must be a list of {n} ints, one per dimension"
+        )
+    begin, end = spec.byte_range
     if cshape != shape:  # a whole tensor (offsets in range only if all 0) needs no more
         for o, c, d in zip(offsets, cshape, shape):
             if o + c > d:
@@ -537,10 +714,8 @@ def _parse_chunk(
             f"chunk of {name!r} has byte_range [{begin}, {end}] inconsistent with its "
             f"shape or with the size of {file}",
         )
-    block_rows = spec["block_rows"]
-    if type(block_rows) is not int or not 1 <= block_rows <= INT64_MAX:
-        _int(block_rows, f"block_rows of a chunk of {name!r}", where, low=1)  # raises
-    digests = spec["checksums"]
+    block_rows = spec.block_rows
+    digests = spec.checksums
     rows = cshape[0] if cshape else 1
     try:  # join refuses anything but strings; one match checks all the digits
         valid = (
@@ -557,7 +732,7 @@ def _parse_chunk(
             f"chunk of {name!r} has malformed checksums {digests!r:.80} (need one per "
             f"{block_rows} rows, each 16 lowercase hex digits)",
         )
-    key = spec["key"]
+    key = spec.key
     if type(key) is not str:
         raise _corrupt(where, f"chunk of {name!r} has a non-string key")
     return Chunk(file, key, offsets, cshape, begin, end, tuple(digests), block_rows)
