@@ -725,7 +725,9 @@ MUTATIONS = [
         "src/shardpoint/format/index.py",
         "_UInt64 = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]\n",
         "_UInt64 = int\n",
-        ("tests/test_format_edge_values.py::test_a_number_of_the_index_out_of_its_range_is_corrupt",),
+        (
+            "tests/test_format_edge_values.py::test_a_number_of_the_index_out_of_its_range_is_corrupt",
+        ),
     ),
     Mutation(
         "the rest of a refused index not checked to be JSON",

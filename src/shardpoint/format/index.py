@@ -482,9 +482,7 @@ def _parse_fields(doc: _IndexDoc, where: str) -> Index:
     world_size = _int(doc.world_size, "world_size", where, low=1)
     version = doc.format_version
     meshes = _parse_meshes(_given(doc.meshes), world_size, where) if version >= 2 else []
-    fragments = (
-        _parse_fragments(_given(doc.fragments), world_size, where) if version >= 2 else {}
-    )
+    fragments = _parse_fragments(_given(doc.fragments), world_size, where) if version >= 2 else {}
     entries: dict[str, TensorEntry] = {}
     aliases: dict[str, str] = {}
     shardings: dict[str, Sharding] = {}
