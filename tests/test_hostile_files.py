@@ -244,26 +244,28 @@ def test_a_corrupt_second_tensor_leaves_every_tensor_unchanged(ckpt_dir):
     assert _digest(live) == before
 
 
+@pytest.mark.parametrize("corrupt", ["t11", "t0"])
 def test_a_corrupt_tensor_read_in_later_batches_leaves_every_tensor_unchanged(
-    ckpt_dir, monkeypatch
+    ckpt_dir, monkeypatch, corrupt
 ):
-    """Reads go in batches whose undo copies are taken ahead: a failure in the last
-    batch must put back the tensors of every earlier one."""
+    """Reads go in batches whose undo copies are taken ahead, while later batches are
+    still planned: a failure in the last batch must put back the tensors of every
+    earlier one, and one in the first must stop the batches after it."""
     import time
 
     from shardpoint import loading
 
     monkeypatch.setattr(loading, "UNDO_BATCH_BYTES", 4096)
-    save = loading.Undo.save
+    save_flat = loading.Undo._save_flat
 
-    def slow_save(self, tensors):  # a read that does not wait for its undo copy loses
+    def slow_save_flat(self, views):  # a read that does not wait for its undo copy wins
         time.sleep(0.05)
-        save(self, tensors)
+        save_flat(self, views)
 
-    monkeypatch.setattr(loading.Undo, "save", slow_save)
+    monkeypatch.setattr(loading.Undo, "_save_flat", slow_save_flat)
     state = {f"t{i}": torch.randn(64, 16) for i in range(12)}
     shardpoint.save(state, ckpt_dir)
-    _flip_byte_inside(ckpt_dir, "t11")
+    _flip_byte_inside(ckpt_dir, corrupt)
     live = {k: torch.zeros_like(v) for k, v in state.items()}
     with pytest.raises(CorruptCheckpointError):
         shardpoint.load(live, ckpt_dir)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -288,41 +289,14 @@ class ReadPlan:
     def run(self, *, threads: int, verify: bool, direct: bool = True, atomic: bool = False) -> Undo:
         """Read, verify and place every region. With ``atomic``, on any error the live
         regions are as before, and on success the returned ``Undo`` can still put them
-        back; without, live regions are written as their reads land."""
-        batches: list[dict[str, list[Segment]]] = [{}]
-        batch_bytes = 0
+        back; without, live regions are written as their reads land.
+
+        Reads start as soon as their batch is planned: one reader thread takes the
+        batches in order while this thread plans the next ones."""
         pending: dict[int, _Pending] = {}  # id(segment) -> what it holds
 
-        def add(segment: Segment, p: _Pending) -> None:
-            nonlocal batch_bytes
-            if p.chunk.file not in batches[-1]:  # checked once per file
-                self.ckpt.check_header(p.chunk.file)
-            # The first batch's undo copy runs before any read: batches start small and
-            # double, so that it is short and every later one overlaps the reads.
-            doublings = min(len(batches) - 1, 5)  # 8 MiB << 5: UNDO_BATCH_BYTES
-            if batch_bytes >= min(UNDO_BATCH_BYTES, FIRST_UNDO_BATCH_BYTES << doublings):
-                batches.append({})
-                batch_bytes = 0
-            batches[-1].setdefault(p.chunk.file, []).append(segment)
-            batch_bytes += segment.end - segment.offset
-            pending[id(segment)] = p
-
-        skipped = self._skipped
-        for name, regions in self.regions.items():
-            entry = self.ckpt.index.entries[name]
-            for region in regions:
-                for chunk in self.ckpt.chunks(entry, region.offsets, region.tensor.shape):
-                    if skipped and (id(region), chunk.offsets) in skipped:
-                        continue
-                    read = self._plan_chunk(entry, chunk, region, verify)
-                    if read is not None:
-                        add(*read)
-        for rows in self._rows:
-            add(*rows.plan(verify))
-
         def verify_segment(segment: Segment) -> None:
-            p = pending[id(segment)]
-            _verify_blocks(self.ckpt, p, segment)
+            _verify_blocks(self.ckpt, pending[id(segment)], segment)
 
         def in_place(batch: dict[str, list[Segment]]) -> list[torch.Tensor]:
             return [
@@ -333,24 +307,49 @@ class ReadPlan:
             ]
 
         undo = Undo(atomic)
+        # The undo copy of a batch runs while the batch before it is read, in pieces on
+        # up to half the cores: filling fresh memory is what it costs, not the copy,
+        # and the other half keep the reads and checksums going.
+        workers = max(1, min(threads, (os.cpu_count() or 2) // 2))
+        reads: list[Future] = []
         try:
-            # The undo copy of batch k+1 runs while batch k is read, in pieces on up to
-            # half the cores: filling fresh memory is what it costs, not the copy, and
-            # the other half keep the reads and checksums going.
-            workers = max(1, min(threads, (os.cpu_count() or 2) // 2))
-            with ThreadPoolExecutor(workers, thread_name_prefix="shardpoint-undo") as saver:
-                ahead = undo.save_ahead(saver, in_place(batches[0]))
-                for k, batch in enumerate(batches):
-                    for piece in ahead:
-                        piece.result()
-                    if k + 1 < len(batches):
-                        ahead = undo.save_ahead(saver, in_place(batches[k + 1]))
-                    self.ckpt.storage.read_ranges(
-                        batch,
-                        threads=threads,
-                        direct=direct,
-                        on_segment=verify_segment if verify else None,
-                    )
+            with (
+                ThreadPoolExecutor(workers, thread_name_prefix="shardpoint-undo") as saver,
+                ThreadPoolExecutor(1, thread_name_prefix="shardpoint-reader") as reader,
+            ):
+
+                def read(batch: dict[str, list[Segment]]) -> None:
+                    ahead = undo.save_ahead(saver, in_place(batch))
+
+                    def job() -> None:
+                        for piece in ahead:  # a batch is overwritten only once it is saved
+                            piece.result()
+                        self.ckpt.storage.read_ranges(
+                            batch,
+                            threads=threads,
+                            direct=direct,
+                            on_segment=verify_segment if verify else None,
+                        )
+
+                    reads.append(reader.submit(job))
+
+                try:
+                    for batch in self._batches(pending, verify):
+                        read(batch)
+                        if reads[0].done():  # a read that failed early stops the planning
+                            reads.pop(0).result()
+                    for done in reads:
+                        done.result()
+                except BaseException:
+                    for later in reads:
+                        later.cancel()
+                    raise
+            # Leaving the pools waited for every read and undo copy still running:
+            # nothing lands after the undo below.
+        except BaseException:
+            undo.restore()
+            raise
+        try:
             with torch.no_grad():  # every read is verified: now the copies into place
                 for p in pending.values():
                     if p.copy is not None:
@@ -367,6 +366,42 @@ class ReadPlan:
             undo.restore()
             raise
         return undo
+
+    def _batches(
+        self, pending: dict[int, _Pending], verify: bool
+    ) -> Iterator[dict[str, list[Segment]]]:
+        """The reads, planned into batches (file -> segments) as they fill; ``pending``
+        gets what each segment holds. The first batch is FIRST_UNDO_BATCH_BYTES (its undo
+        copy is taken before any read), each next one twice the last."""
+        batch: dict[str, list[Segment]] = {}
+        batch_bytes, batches = 0, 0
+
+        def reads() -> Iterator[tuple[Segment, _Pending]]:
+            skipped = self._skipped
+            for name, regions in self.regions.items():
+                entry = self.ckpt.index.entries[name]
+                for region in regions:
+                    for chunk in self.ckpt.chunks(entry, region.offsets, region.tensor.shape):
+                        if skipped and (id(region), chunk.offsets) in skipped:
+                            continue
+                        read = self._plan_chunk(entry, chunk, region, verify)
+                        if read is not None:
+                            yield read
+            for rows in self._rows:
+                yield rows.plan(verify)
+
+        for segment, p in reads():
+            if p.chunk.file not in batch:  # checked once per file
+                self.ckpt.check_header(p.chunk.file)
+            batch.setdefault(p.chunk.file, []).append(segment)
+            batch_bytes += segment.end - segment.offset
+            pending[id(segment)] = p
+            doublings = min(batches, 5)  # 8 MiB << 5: UNDO_BATCH_BYTES
+            if batch_bytes >= min(UNDO_BATCH_BYTES, FIRST_UNDO_BATCH_BYTES << doublings):
+                yield batch
+                batch, batch_bytes, batches = {}, 0, batches + 1
+        if batch:
+            yield batch
 
     def _plan_chunk(
         self, entry: TensorEntry, chunk: Chunk, region: _Region, verify: bool
