@@ -378,10 +378,15 @@ class ReadPlan:
 
         def reads() -> Iterator[tuple[Segment, _Pending]]:
             skipped = self._skipped
+            entries, shardings = self.ckpt.index.entries, self.ckpt.index.shardings
             for name, regions in self.regions.items():
-                entry = self.ckpt.index.entries[name]
+                entry = entries[name]
+                listed = None if name in shardings else entry.chunks  # the index holds them
                 for region in regions:
-                    for chunk in self.ckpt.chunks(entry, region.offsets, region.tensor.shape):
+                    chunks = listed
+                    if chunks is None:  # the writers' fragments hold them
+                        chunks = self.ckpt.chunks(entry, region.offsets, region.tensor.shape)
+                    for chunk in chunks:
                         if skipped and (id(region), chunk.offsets) in skipped:
                             continue
                         read = self._plan_chunk(entry, chunk, region, verify)
@@ -410,7 +415,7 @@ class ReadPlan:
         live = region.live
         blocks = len(chunk.checksums)
         if chunk.offsets == region.offsets and chunk.shape == t.shape:  # the common case
-            if t.device.type == "cpu" and t.is_contiguous():
+            if t.is_cpu and t.is_contiguous():
                 return Segment(chunk.begin, flat_bytes(t)), _Pending(
                     entry, chunk, 0, blocks, None, live
                 )
@@ -419,7 +424,7 @@ class ReadPlan:
             return None  # no overlap (or an empty tensor: nothing to read)
         dst = box_view(t, region.offsets, box)
         if dst.shape == chunk.shape:  # the whole chunk lands in the region (so does a 0-d one)
-            if dst.device.type == "cpu" and dst.is_contiguous():  # e.g. a row shard
+            if dst.is_cpu and dst.is_contiguous():  # e.g. a row shard
                 return Segment(chunk.begin, flat_bytes(dst)), _Pending(
                     entry, chunk, 0, blocks, None, live
                 )
@@ -461,7 +466,7 @@ class Undo:
         if not self.enabled:
             return
         for t in tensors:
-            if t.device.type == "cpu" and t.numel():
+            if t.is_cpu and t.numel():
                 self._saved.append(([t], t.clone(memory_format=torch.preserve_format)))
 
     def _save_flat(self, views: list[torch.Tensor]) -> None:

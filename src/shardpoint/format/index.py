@@ -293,7 +293,7 @@ class _ChunkDoc(msgspec.Struct):
     shape: tuple[_UInt64, ...]
     byte_range: tuple[_UInt64, _UInt64]
     block_rows: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
-    checksums: Any
+    checksums: tuple[Annotated[str, msgspec.Meta(min_length=16, max_length=16)], ...]
 
 
 class _EntryDoc(msgspec.Struct):
@@ -446,6 +446,8 @@ def _entry_problem(name: str, entry: msgspec.Raw, problem: str, where: str) -> s
                     _ints(chunk[field], what, name, where, length=n if length == -1 else length)
             if "block_rows" in chunk:
                 _int(chunk["block_rows"], f"block_rows of a chunk of {name!r}", where, low=1)
+            if "].checksums" in problem:
+                raise _bad_checksums(name, chunk["checksums"], chunk.get("block_rows"), where)
     return f"entry {name!r} is malformed ({problem})"
 
 
@@ -713,27 +715,22 @@ def _parse_chunk(
             f"shape or with the size of {file}",
         )
     block_rows = spec.block_rows
-    digests = spec.checksums
+    digests = spec.checksums  # strings of 16 characters (decoded so): one match checks them
     rows = cshape[0] if cshape else 1
-    try:  # join refuses anything but strings; one match checks all the digits
-        valid = (
-            type(digests) is list
-            and len(digests) == max(1, -(-rows // block_rows))
-            and _HEX.fullmatch("".join(digests)) is not None
-            and set(map(len, digests)) == {16}
-        )
-    except TypeError:
-        valid = False
-    if not valid:
-        raise _corrupt(
-            where,
-            f"chunk of {name!r} has malformed checksums {digests!r:.80} (need one per "
-            f"{block_rows} rows, each 16 lowercase hex digits)",
-        )
+    if len(digests) != max(1, -(-rows // block_rows)) or not _HEX.fullmatch("".join(digests)):
+        raise _bad_checksums(name, digests, block_rows, where)
     key = spec.key
     if type(key) is not str:
         raise _corrupt(where, f"chunk of {name!r} has a non-string key")
-    return Chunk(file, key, offsets, cshape, begin, end, tuple(digests), block_rows)
+    return Chunk(file, key, offsets, cshape, begin, end, digests, block_rows)
+
+
+def _bad_checksums(name: str, digests: Any, block_rows: Any, where: str) -> CorruptCheckpointError:
+    return _corrupt(
+        where,
+        f"chunk of {name!r} has malformed checksums {digests!r:.80} (need one per "
+        f"{block_rows} rows, each 16 lowercase hex digits)",
+    )
 
 
 def _check_cover(name: str, shape: tuple[int, ...], chunks: tuple[Chunk, ...], where: str) -> None:

@@ -189,12 +189,16 @@ def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int | None:
     >>> tensor_nbytes("F32", [2, 3]), tensor_nbytes("F32", [0, 2**70])
     (24, None)
     """
-    bound = itemsize(dtype)
+    size = itemsize(dtype)
+    count = math.prod(shape)
+    if count:  # no zero dimension: the bound is the size itself (the usual case)
+        return count * size if count * size <= INT64_MAX else None
+    bound = size
     for d in shape:
         bound *= d or 1
         if bound > INT64_MAX:
             return None
-    return math.prod(shape) * itemsize(dtype)
+    return 0
 
 
 def lone_surrogate(text: str, doc: object) -> str | None:
