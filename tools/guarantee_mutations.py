@@ -1,6 +1,6 @@
 """Break each guarantee of docs/reliability.md on purpose and check its test notices.
 
-    python tools/guarantee_mutations.py            # every mutation (about 5 minutes)
+    python tools/guarantee_mutations.py            # every mutation (about 17 minutes)
     python tools/guarantee_mutations.py --only lock,undo
 
 Each mutation is a small edit of the library source that breaks one mechanism (the
