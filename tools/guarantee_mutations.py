@@ -198,7 +198,8 @@ MUTATIONS = [
         "undo not waited for",
         "a failed load changes nothing",
         "src/shardpoint/loading.py",
-        "                        for piece in ahead:  # a batch is overwritten only once it is saved\n"
+        "                        for piece in ahead:  # a batch is overwritten"
+        " only once it is saved\n"
         "                            piece.result()\n",
         "",
         (HOSTILE + "test_a_corrupt_tensor_read_in_later_batches_leaves_every_tensor_unchanged",),
