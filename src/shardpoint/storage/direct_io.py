@@ -297,8 +297,7 @@ def read_ranges(
             else:
                 for s in large:
                     jobs.extend(
-                        _read_into(fd, s, lo, hi, where, done)
-                        for lo, hi in _split(s.offset, s.end)
+                        _read_into(fd, s, lo, hi, where, done) for lo, hi in _split(s.offset, s.end)
                     )
             jobs.extend(
                 _scatter_read(cached, small, lo, hi, where, done) for lo, hi in _coalesce(small)
