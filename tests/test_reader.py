@@ -110,3 +110,18 @@ def test_keys_metadata_and_values_come_from_the_index_alone(ckpt_dir, big, bytes
 def test_unknown_names_raise_key_error_naming_the_checkpoint(ckpt_dir, big):
     with shardpoint.open(ckpt_dir) as r, pytest.raises(KeyError, match="layer9"):
         r.get("layer9")
+
+
+def test_user_metadata_is_written_as_json_writes_it_and_nan_is_refused(tmp_path):
+    """The index is encoded with msgspec, which would write NaN as null: user metadata
+    goes through json, so NaN is refused (nothing committed) and an int key is kept as
+    json keeps it."""
+    from shardpoint.errors import CheckpointError
+
+    state = {"w": torch.ones(2)}
+    with pytest.raises(CheckpointError, match="Out of range float"):
+        shardpoint.save(state, tmp_path / "nan", metadata={"loss": float("nan")})
+    assert not (tmp_path / "nan").exists()
+    shardpoint.save(state, tmp_path / "ok", metadata={1: "int key", "big": 1e16, "é": [None]})
+    with shardpoint.open(tmp_path / "ok") as r:
+        assert r.metadata["user"] == {"1": "int key", "big": 1e16, "é": [None]}

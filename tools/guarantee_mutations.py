@@ -743,6 +743,17 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "user metadata encoded by msgspec",
+        "a save refuses what JSON cannot hold (NaN in user metadata)",
+        "src/shardpoint/format/index.py",
+        '            "metadata": _user_json(self.metadata),\n',
+        '            "metadata": self.metadata,\n',
+        (
+            "tests/test_reader.py::"
+            "test_user_metadata_is_written_as_json_writes_it_and_nan_is_refused",
+        ),
+    ),
+    Mutation(
         "mesh hashed by its ranks",
         "a save's planning does not grow with ranks x tensors (strided meshes)",
         "src/shardpoint/sharding.py",
