@@ -82,18 +82,21 @@ def test_an_unchanged_structure_is_not_gathered_again_and_a_change_on_one_rank_i
     run_ranks(2, _saves, str(tmp_path), 2)
     per_save = json.loads((tmp_path / "collectives.json").read_text())
     kinds = [[kind for kind, _ in save] for save in per_save]
-    # First save: the agreement (no plan yet), every rank's errors and structure to
-    # rank 0 (each distinct structure once), each rank's part of the plan from it, the
+    # First save (no plan yet on any rank): every rank's errors and structure to rank 0
+    # (each distinct structure once), each rank's part of the plan from it, then the
     # commit's gather and outcome.
-    first = ["max_of", "gather_distinct_json", "scatter_plan"]
-    assert kinds[0] == [*first, "gather_json", "broadcast_json"]
-    # Unchanged structure: before writing, one all-reduce of five integers agrees that
-    # every rank reuses the same plan; then the commit's gather and its outcome.
-    assert kinds[1] == ["max_of", "gather_json", "broadcast_json"]
-    agreement, structure = per_save[1][0][1], per_save[0][1][1]
-    assert agreement < 100 < structure  # the 50 replicated tensors are not sent again
-    # Rank 1 changed one tensor's shape: both ranks plan again before writing...
-    assert kinds[2] == kinds[0]
+    first = ["gather_distinct_json", "scatter_plan", "gather_json", "broadcast_json"]
+    assert kinds[0] == first
+    # Unchanged structure: written with the cached plan at once; the commit's gather
+    # (carrying the plan's digest) and its outcome are the save's only collective.
+    assert kinds[1] == ["gather_json", "broadcast_json"]
+    # The commit's report of a steady save is that of the first save plus the plan's
+    # digest: the structure (the 50 replicated tensors, gathered once) is not sent again.
+    steady_report, first_report = per_save[1][0][1], per_save[0][2][1]
+    assert 0 < steady_report - first_report < 60
+    # Rank 1 changed one tensor's shape: it writes nothing, the commit's verdict has
+    # every rank remove what it wrote, and both save again, agreed first.
+    assert kinds[2] == ["gather_json", "broadcast_json", *first]
     # ...and the new plan is reused from then on.
     assert kinds[3] == kinds[1]
     for step in range(4):
@@ -140,8 +143,7 @@ def test_what_a_rank_receives_per_unchanged_save_does_not_grow_with_the_ranks(
             assert shardpoint.verify(root / f"step{step}").ok
     assert seen[2] == seen[4]
     assert [name for name, _ in seen[2]] == [
-        "all_reduce",  # the agreement
-        "gather",  # the commit: this rank's result size to rank 0...
+        "gather",  # the commit (no agreement before it): this rank's result size...
         "send",  # ...and its bytes
         "broadcast",  # the outcome's size...
         "broadcast",  # ...and its bytes
@@ -203,3 +205,27 @@ def test_a_save_reads_each_device_meshs_ranks_once_not_once_per_dtensor(tmp_path
     reads = [json.loads((tmp_path / f"reads{r}.json").read_text()) for r in (0, 1)]
     assert reads == [{"mesh": 1, "layout": 1}] * 2
     assert shardpoint.verify(tmp_path / "step1").ok
+
+
+def _sharded_saves(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    for step in range(3):
+        rows = 8 if step < 2 else 12  # every rank's DTensor grows at once
+        full = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4) + step
+        shardpoint.save({"w": distribute_tensor(full, mesh, [Shard(0)])}, f"{root}/step{step}")
+
+
+def test_a_sharded_tensor_that_changes_shape_on_every_rank_is_saved_with_a_new_plan(tmp_path):
+    """Every rank changes at once, so no rank wrote the cached plan: rank 0's cached
+    description of the sharded entry (its global shape) must not describe the chunks
+    written with the new one."""
+    run_ranks(2, _sharded_saves, str(tmp_path))
+    for step in range(3):
+        rows = 8 if step < 2 else 12
+        expected = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4) + step
+        assert shardpoint.verify(tmp_path / f"step{step}").ok
+        with shardpoint.open(tmp_path / f"step{step}") as ckpt:
+            assert torch.equal(ckpt.get("w"), expected)

@@ -57,6 +57,7 @@ def copy_checkpoint(
     written: list[str] = []
     try:
         commit.begin()
+        commit.clear()
         shards = [n for n in index.files if not is_fragment(n)]
         written += [renamed[n] for n in shards]
         nbytes = copy_files(ckpt.storage, storage, shards, threads, renamed)

@@ -57,11 +57,11 @@ class Commit:
         return [name for name in self.storage.list() if not is_own_file(name)]
 
     def begin(self) -> None:
-        """Create and lock the directory and clear what a crashed save left there.
-
-        Never touches a committed checkpoint (``CheckpointExistsError``), a directory
-        holding anything that is not a checkpoint file, or one another process is
-        saving to (``ConcurrentWriterError``). The lock is held until ``release``.
+        """Create and lock the directory, refusing a committed checkpoint
+        (``CheckpointExistsError``), a directory holding anything that is not a
+        checkpoint file, or one another process is saving to (``ConcurrentWriterError``).
+        The lock is held until ``release``. What a crashed save left there stays until
+        ``clear``: other ranks may be writing this save's files already.
         """
         where = self.storage.where
         try:
@@ -83,8 +83,6 @@ class Commit:
                     "checkpoints still read; save to another directory, or delete those "
                     "checkpoints first"
                 )
-            for name in names:  # leftovers of a crashed save, never committed
-                self.storage.delete(name)
         except BaseException as exc:
             self.release()
             if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
@@ -96,6 +94,13 @@ class Commit:
                 "written and earlier checkpoints are untouched. Check free space and "
                 "permissions (or, for an object store, that it is reachable)."
             ) from exc
+
+    def clear(self, keep: Collection[str] = ()) -> None:
+        """Delete what a crashed or failed save left in the (locked) directory: every
+        checkpoint file but those in ``keep``, this save's."""
+        for name in self.storage.list():
+            if is_own_file(name) and name not in keep:
+                self.storage.delete(name)
 
     def _prepare_and_lock(self, attempts: int = 3) -> None:
         """Create the directory and take its lock. Another process clearing an empty

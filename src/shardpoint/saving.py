@@ -155,25 +155,45 @@ def run_save(
     the state is staged on return and the returned function (for a background thread)
     writes, commits and returns the ``SaveInfo``."""
     start = time.perf_counter()
-    plan = plan_save(state, storage, options, group=group, to_host=staging is None)
+    if staging is None:
+        try:
+            return _run_phases(state, storage, options, None, group, start)()
+        except _Unsettled:  # a speculative save met a change: again, agreed first
+            return _run_phases(state, storage, options, None, group, start)()
+    return _run_phases(state, storage, options, staging, group, start)
+
+
+def _run_phases(
+    state: Any,
+    storage: CheckpointStorage,
+    options: SaveOptions,
+    staging: Staging | None,
+    group: Any,
+    start: float,
+) -> Callable[[], SaveInfo]:
+    """Plan, lay out and write (or stage); returns the commit, to call."""
+    plan = plan_save(state, storage, options, group=group, staged=staging is not None)
     written: Callable[[], WriteResult]
     references: tuple[list[ChunkRecord], dict[str, int]] = ([], {})
     try:
-        if options.chain is not None:
-            references = _refer_to_unchanged(plan, options.chain)
-        files = lay_out(plan, options.max_shard_size, zero_copy=staging is None)
-        if staging is None:
-            result = write_from_memory(plan, files, options.threads)
+        if plan.unsettled:  # nothing to write: the commit's verdict has this save replanned
+            result = WriteResult()
             written = lambda: result  # noqa: E731
         else:
-            written = staging.stage(plan, files)
+            if options.chain is not None:
+                references = _refer_to_unchanged(plan, options.chain)
+            files = lay_out(plan, options.max_shard_size, zero_copy=staging is None)
+            if staging is None:
+                result = write_from_memory(plan, files, options.threads)
+                written = lambda: result  # noqa: E731
+            else:
+                written = staging.stage(plan, files)
     except Exception as exc:  # any failure must still reach the commit's gather
         failed = WriteResult(error=f"rank {plan.rank}: {exc}")
         written = lambda: failed  # noqa: E731
-    finish = lambda: commit(  # noqa: E731
+    return lambda: commit(
         plan, _with_references(written(), *references), options.metadata, start=start
     )
-    return finish() if staging is None else finish
 
 
 def _refer_to_unchanged(
@@ -228,6 +248,11 @@ class SavePlan:
     chain: IncrementalChain | None = None  # advanced once this save is committed
     referred: list[Piece] = field(default_factory=list)  # pieces the chain's base holds
     identify: set[int] = field(default_factory=set)  # ids of pieces whose identity to compute
+    # Written with the cached plan before any collective (see plan_save); unsettled:
+    # this rank's structure changed or it failed, so it writes nothing and the commit
+    # has every rank save again, agreed first.
+    speculative: bool = False
+    unsettled: bool = False
 
     @property
     def sharded_names(self) -> set[str]:
@@ -320,21 +345,33 @@ def plan_save(
     options: SaveOptions,
     *,
     group: Any = None,
-    to_host: bool = True,
+    staged: bool = False,
 ) -> SavePlan:
-    """Flatten ``state``, prepare the directory (the committing rank) and agree on who
-    writes what.
+    """Flatten ``state``, prepare the directory (the committing rank) and decide what
+    this rank writes.
 
-    Ranks first agree, in one all-reduce of a few integers, that every rank's structure
-    (tensor names, shapes, dtypes, placements, node) is the one of the plan they cached
-    at the last save, and that no rank failed: then that plan is reused. Otherwise (the
-    first save, any change or failure on any rank) they gather errors and structure and
-    plan again. Either collective also orders every write after the preparation of the
-    directory. ``to_host=False`` keeps device tensors where they are (staging copies
-    them into its pool itself).
+    The first save of a job (and the first after any failure) is agreed before a byte
+    is written: rank 0 gathers every rank's errors and structure (tensor names, shapes,
+    dtypes, placements, node), plans who writes which replicated chunk and sends each
+    rank its part; every rank caches that plan. A later save reuses it without a
+    collective (*speculatively*) when this rank's structure is the one it cached: the
+    commit's gather, which carries each rank's verdict and the plan's digest, then
+    either commits or, when any rank changed or failed, has every rank remove what it
+    wrote and save again agreed first (``run_save``). Ranks that write before rank 0
+    has locked the directory create every file exclusively and refuse a committed
+    checkpoint; leftovers of crashed saves are cleared at the commit.
+
+    ``staged`` (a background save) cannot write again once the caller has moved on:
+    it agrees first, in one all-reduce of a few integers when the plan is cached, and
+    stages device tensors itself (they are not copied to the host here).
     """
     me = dist.rank()
     commits = me == 0 or (options.per_node and dist.is_node_leader())
+    cache_key = (id(group), options.per_node, dist.world_size())
+    # Every rank caches, keeps and drops its plan on the same verdicts: whether one is
+    # cached is the same on every rank, so all take the same path without asking.
+    cached = _PLANS.get(cache_key) if dist.is_distributed() else None
+    speculative = cached is not None and not staged
     # A rank that fails before the collective still joins it, with its error, so that
     # no other rank waits forever; then every rank raises. Any exception counts: a
     # user's state_dict() may raise anything.
@@ -353,7 +390,7 @@ def plan_save(
         flat = flatten(state, rank=me if per_rank else None)
         tree_here = flat.tree
         holdings, aliases, local, tokens = _holdings(
-            flat.tensors, to_host, flat.rank_tensors, with_tokens=options.chain is not None
+            flat.tensors, not staged, flat.rank_tensors, with_tokens=options.chain is not None
         )
         # One process has nothing to agree on: its plan costs less than a digest.
         own = _structure_digest(holdings, aliases) if dist.is_distributed() else None
@@ -361,16 +398,29 @@ def plan_save(
         if commits:
             commit_ = Commit(storage)
             commit_.begin()
+            if not speculative:  # no rank writes before the collective that follows
+                commit_.clear()
+        elif speculative:
+            # Written before rank 0 has looked: never beside a committed checkpoint.
+            if Commit(storage).is_committed():
+                raise CheckpointError(f"{storage.where}: a committed checkpoint is here")
+            storage.prepare()
     except Exception as exc:
         own_error = exc
-    cache_key = (id(group), options.per_node, dist.world_size())
-    cached = _PLANS.get(cache_key)
-    reusable = own_error is None and cached is not None and own is not None and cached.own == own
-    if not (dist.is_distributed() and _every_rank_reuses(cached if reusable else None, group)):
-        cached = _agree_and_plan(
-            holdings, aliases, sharded, own, own_error, commit_, storage.where, options, group
-        )
-        _PLANS[cache_key] = cached
+    if speculative:
+        assert cached is not None
+        unsettled = own_error is not None or own != cached.own
+        if unsettled and commit_ is not None:
+            commit_.release()  # the agreed save that follows takes the lock again
+            commit_ = None
+    else:
+        reusable = own_error is None and cached is not None and cached.own == own
+        if not (cached is not None and _every_rank_reuses(cached if reusable else None, group)):
+            cached = _agree_and_plan(
+                holdings, aliases, sharded, own, own_error, commit_, storage.where, options, group
+            )
+            _PLANS[cache_key] = cached
+        unsettled = False
     assert cached is not None
     mine = [Piece(h.name, h.offsets, h.shape, me, h) for h in holdings if _writes(h, me)]
     mine += cached.pieces
@@ -379,7 +429,7 @@ def plan_save(
         me,
         tree_here,
         cached.structures,
-        mine,
+        [] if unsettled else mine,
         local,
         len(local) + len(aliases),
         options.per_node,
@@ -389,6 +439,8 @@ def plan_save(
         flat.rank_values if flat is not None else {},
         flat.rank_tensors if flat is not None else set(),
         tokens,
+        speculative=speculative,
+        unsettled=unsettled,
     )
 
 
@@ -552,9 +604,18 @@ class _JobPlan:
 
 
 # Plans of earlier saves, by (process group, per-node mode, world size). Every rank
-# keeps its own and all of them change together: whether a plan is reused is decided
-# from the collective every save begins with.
+# keeps its own; all of them are made and dropped on the same collectives' results.
 _PLANS: dict[tuple[Any, ...], _JobPlan] = {}
+
+
+def _forget(job: _JobPlan | None) -> None:
+    for key in [k for k, v in _PLANS.items() if v is job]:
+        del _PLANS[key]
+
+
+class _Unsettled(Exception):
+    """A speculative save that could not commit (a rank changed or failed): every rank
+    removed what it wrote and saves again, agreed first."""
 
 
 def _digest(value: Any) -> str:
@@ -620,24 +681,34 @@ def _commit(
     plan: SavePlan, result: WriteResult, metadata: dict[str, Any] | None, start: float
 ) -> SaveInfo:
     records, sizes = result.chunks, {**result.files, **result.referenced}
-    if result.error is None:
+    if result.error is None and not plan.unsettled:
         result = _write_fragment(plan, result)
     # The non-tensor trees travel here, not with the plan: they change every save.
     docs: list[Any] | None = None
     trees: list[Any] = [plan.tree]
     results: list[WriteResult] | None = [result]
+    unsettled: list[int] = []  # on rank 0: the ranks that did not write the cached plan
     if dist.is_distributed():
-        gathered = dist.gather_json({"result": result.to_json(), "tree": plan.tree}, 0, plan.group)
+        assert plan.job is not None
+        # A speculative save's verdict and plan digest travel with its result: this
+        # gather is the save's only collective before the outcome.
+        job = plan.job.job if plan.speculative and not plan.unsettled else None
+        report = {"result": result.to_json(), "tree": plan.tree, "job": job}
+        gathered = dist.gather_json(report, 0, plan.group)
         docs = [g["result"] for g in gathered] if gathered is not None else None
         results = [WriteResult.from_json(d) for d in docs] if docs is not None else None
         trees = [g["tree"] for g in gathered or []]
-    outcome: str | None = None
+        if plan.speculative:
+            unsettled = [r for r, g in enumerate(gathered or []) if g["job"] != plan.job.job]
+    outcome: str | dict[str, str] | None = None
     inputs: dict[str, Any] | None = None  # per node: what each node's first rank needs
-    own_index: bytes | None = None
+    own_index: tuple[bytes, set[str]] | None = None
     if results is not None:  # rank 0
         errors = [r.error for r in results if r.error]
         outcome = errors[0] if errors else None
-        if not errors:
+        if unsettled:
+            outcome = f"rank {unsettled[0]}'s structure changed, or it could not save"
+        if outcome is None:
             try:
                 assert plan.job is not None
                 tree = merge_trees(trees)
@@ -649,21 +720,24 @@ def _commit(
                     # names the checkpoint, instead of one per node.
                     nodes = [s["node"] for s in plan.structures]
                     first = _index(plan, tree, results, metadata, table, created, nodes[0], nodes)
-                    own_index = first.to_json()  # rank 0's node is the first node
+                    own_index = (first.to_json(), set(first.files))  # rank 0's node is first
                     inputs = {
                         "results": docs or [r.to_json() for r in results],
                         "tree": tree,
                         "sharded": [doc for doc in plan.job.lists or [] if doc],
                         "created": created,
                         "metadata": first.metadata,  # a plain dict, as the index holds it
-                        "first": checksum(own_index),
+                        "first": checksum(own_index[0]),
                     }
                 else:
                     assert plan.commit is not None
                     index = _index(plan, tree, results, metadata, table, created)
+                    plan.commit.clear(keep=index.files)
                     plan.commit.finish(index.to_json())
             except Exception as exc:  # OSError locally; the object store's errors too
                 outcome = f"rank 0 (commit): {exc}"
+        if outcome is not None and plan.speculative:
+            outcome = {"again": outcome}  # a failed guess: every rank saves again, agreed
         written = sum(sum(r.files.values()) for r in results)
         files = sum(len(r.files) for r in results)
     else:
@@ -675,11 +749,16 @@ def _commit(
             inputs = dist.relay_json(inputs, leaders, plan.group)
         outcome = _commit_every_node(plan, inputs, own_index)
     if outcome:
+        _forget(plan.job)  # every rank got this outcome: the next save is agreed first
         # Only the committing rank removes the directory: another rank's files may still
-        # be in flight when a fast-failing rank gets here.
+        # be in flight when a fast-failing rank gets here. Each rank removes only the
+        # files it created (made exclusively, so none is another save's).
         cleanup = plan.commit or Commit(plan.storage)
         own = [*result.files, *((INDEX_NAME, MARKER_NAME) if plan.commit else ())]
-        cleanup.abort(own, remove_directory=plan.commit is not None)
+        again = isinstance(outcome, dict)
+        cleanup.abort(own, remove_directory=plan.commit is not None and not again)
+        if isinstance(outcome, dict):
+            raise _Unsettled(outcome["again"])
         raise CheckpointError(
             f"{plan.storage.where}: writing the checkpoint failed ({outcome}); nothing was "
             "committed and earlier checkpoints are untouched. Fix the cause above (free "
@@ -715,9 +794,10 @@ def _write_fragment(plan: SavePlan, result: WriteResult) -> WriteResult:
     name = fragment_file(plan.rank)
     try:
         data = fragment_json(plan.rank, sharded, plan.rank_values, own)
-        plan.storage.write_small_durably(name, data)
+        # Exclusive, as every file of a save: one that is there is another save's.
+        plan.storage.write_small_durably(name, data, exclusive=True)
     except Exception as exc:
-        Commit(plan.storage).abort([*result.files, name], remove_directory=False)
+        Commit(plan.storage).abort(result.files, remove_directory=False)
         return WriteResult(error=f"rank {plan.rank}: writing {name}: {exc}")
     return WriteResult(
         files={**result.files, name: len(data)},
@@ -732,21 +812,23 @@ def _write_fragment(plan: SavePlan, result: WriteResult) -> WriteResult:
 
 
 def _commit_every_node(
-    plan: SavePlan, inputs: dict[str, Any] | None, own_index: bytes | None
+    plan: SavePlan, inputs: dict[str, Any] | None, own_index: tuple[bytes, set[str]] | None
 ) -> str | None:
     """Node-local directories: each node's first rank builds its node's index from
     rank 0's ``inputs`` and commits its node's copy. Every copy names the checkpoint by
     the first node's index (the one the remote copy gets), so copies of one
     checkpoint are known as such. If any node fails, the others withdraw theirs
     (marker first): a copy that looks committed on one node must mean every node's
-    part is durable. ``own_index``: rank 0 built its node's already."""
+    part is durable. ``own_index``: rank 0 built its node's already (and its files)."""
     error = None
     if plan.commit is not None:
         try:
             if own_index is None:
                 assert inputs is not None  # relayed to every rank that commits
-                own_index = _node_index(plan, inputs)
-            plan.commit.finish(own_index, inputs["first"])
+                index = _node_index(plan, inputs)
+                own_index = (index.to_json(), set(index.files))
+            plan.commit.clear(keep=own_index[1])
+            plan.commit.finish(own_index[0], inputs["first"])
         except Exception as exc:
             error = f"rank {plan.rank} (commit): {exc}"
     first = dist.first_error(error, plan.group)
@@ -763,14 +845,13 @@ def _commit_every_node(
     return first
 
 
-def _node_index(plan: SavePlan, inputs: dict[str, Any]) -> bytes:
+def _node_index(plan: SavePlan, inputs: dict[str, Any]) -> Index:
     """This node's index, from the inputs rank 0 sent (the same as rank 0's own)."""
     results = [WriteResult.from_json(d) for d in inputs["results"]]
     table = _sharded_table(inputs["sharded"]) if inputs["sharded"] else ({}, None)
     nodes = [s["node"] for s in plan.structures]
     created, node = inputs["created"], dist.node_rank()
-    index = _index(plan, inputs["tree"], results, inputs["metadata"], table, created, node, nodes)
-    return index.to_json()
+    return _index(plan, inputs["tree"], results, inputs["metadata"], table, created, node, nodes)
 
 
 @dataclass
@@ -863,10 +944,12 @@ def write_from_memory(plan: SavePlan, shards: list[ShardFile], threads: int) -> 
     # Checksums run on their own thread, so they cost no wall time.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardpoint-hash") as hasher:
         digests = map_batched(hasher, digests_of, placed, lambda p: p.slot.nbytes)
+        # Created exclusively (a file that is there is another save's); on failure
+        # write_files removes those it created, and only those.
+        plan.storage.write_files(to_write, threads=threads)
         try:
-            plan.storage.write_files(to_write, threads=threads)
             done = digests()
-        except Exception:  # whatever failed, none of this rank's files may stay behind
+        except Exception:  # none of this rank's files may stay behind
             Commit(plan.storage).abort(to_write, remove_directory=False)
             raise
     records = chunk_records(placed, [d[0] for d in done], [d[1] for d in done])

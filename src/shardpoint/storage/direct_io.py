@@ -182,10 +182,20 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         pos += os.pwrite(fd, data[pos : pos + _MAX_IO], offset + pos)
 
 
-def open_for_write(path: Path, direct: bool) -> tuple[int, bool]:
+def open_for_write(path: Path, direct: bool, *, exclusive: bool = False) -> tuple[int, bool]:
     """Create or truncate ``path`` for writing, with O_DIRECT where asked and the file
     system has it; returns the descriptor and whether it is direct (writes then need
-    whole pages from page-aligned memory)."""
+    whole pages from page-aligned memory). ``exclusive``: create it, refusing one that
+    exists (``FileExistsError``) instead of truncating it."""
+    if exclusive:
+        # Claimed without O_DIRECT: a file system that refuses O_DIRECT does so only
+        # after creating the file, and the retry must not find its own file there.
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))
+        try:
+            return _open(path, os.O_WRONLY, direct)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
     return _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct)
 
 
@@ -224,12 +234,16 @@ def fsync_directory(path: Path) -> None:
 def write_files(
     files: dict[Path, tuple[int, list[Segment]]], *, threads: int, direct: bool
 ) -> None:
-    """Write each file (path -> (size, segments)) with parallel block jobs, then fsync."""
+    """Create each file (path -> (size, segments)), refusing one that exists, write it
+    with parallel block jobs, then fsync. On failure the files it created are removed,
+    and only those: a file that was there belongs to someone else."""
     fds: list[int] = []
+    created: list[Path] = []
     try:
         jobs: list[Callable[[], None]] = []
         for path, (size, segments) in files.items():
-            fd, is_direct = open_for_write(path, direct)
+            fd, is_direct = open_for_write(path, direct, exclusive=True)
+            created.append(path)
             fds.append(fd)
             segments = sorted(segments, key=lambda s: s.offset)
             if not is_direct:
@@ -244,6 +258,10 @@ def write_files(
             [_truncate_and_sync(fd, size) for fd, (size, _) in zip(fds, files.values())],
             threads,
         )
+    except BaseException:
+        for path in created:
+            path.unlink(missing_ok=True)
+        raise
     finally:
         for fd in fds:
             os.close(fd)

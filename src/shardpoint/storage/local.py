@@ -214,9 +214,24 @@ class LocalDirectory:
                     raise file_too_large(str(path), size, limit)
                 return f.read(limit + 1)[:limit]
 
-    def write_small_durably(self, name: str, data: bytes) -> None:
-        """Write, fsync, then rename into place: readers see all of ``data`` or nothing."""
+    def write_small_durably(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Write, fsync, then rename into place: readers see all of ``data`` or nothing.
+
+        ``exclusive``: create ``name`` itself, refusing one that exists
+        (``FileExistsError``) — for a file a commit marker covers, which no reader looks
+        at before the marker exists, so it need not appear whole."""
         final = self.path(name)
+        if exclusive:
+            fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+            try:
+                pwrite_all(fd, memoryview(data), 0)
+                os.fsync(fd)
+            except BaseException:
+                final.unlink(missing_ok=True)
+                raise
+            finally:
+                os.close(fd)
+            return
         tmp = final.with_name(final.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:

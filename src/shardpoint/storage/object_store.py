@@ -222,9 +222,12 @@ class ObjectStoreDirectory:
         detected there (docs/storage.md); the marker is still written last."""
         return _NoLock()
 
-    def write_small_durably(self, name: str, data: bytes) -> None:
-        """One PUT: S3 makes an object visible whole or not at all."""
-        self.obs.put(self.store, self._key(name), data, use_multipart=False)
+    def write_small_durably(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
+        """One PUT: S3 makes an object visible whole or not at all. ``exclusive``:
+        refuse a name that exists (``FileExistsError``)."""
+        with _refused_if_exists(self.location(name)):
+            mode = "create" if exclusive else "overwrite"
+            self.obs.put(self.store, self._key(name), data, use_multipart=False, mode=mode)
 
     def open_writer(self, name: str, size: int, *, threads: int = 1) -> _ObjectWriter:
         """An object of ``size`` bytes written piece by piece (``write(offset, data)``, in
@@ -263,21 +266,32 @@ class ObjectStoreDirectory:
         self, files: dict[str, tuple[int, list[Segment]]], *, threads: int, direct: bool = True
     ) -> None:
         """Upload each file from its segments (which tile it) as a parallel multipart
-        upload; a failed upload is aborted, so no partial object remains."""
+        upload, refusing a name that exists (``If-None-Match``). A failed upload is
+        aborted, and on failure the objects this call created are deleted, only those:
+        no partial object remains and nobody else's is touched."""
+        created: list[str] = []
 
         def upload(item: tuple[str, tuple[int, list[Segment]]]) -> None:
             name, (size, segments) = item
             parts = _parts(sorted(segments, key=lambda s: s.offset), size)
-            self.obs.put(
-                self.store,
-                self._key(name),
-                parts,
-                chunk_size=PART_BYTES,
-                max_concurrency=max(threads, 1),
-                use_multipart=size > PART_BYTES,
-            )
+            with _refused_if_exists(self.location(name)):
+                self.obs.put(
+                    self.store,
+                    self._key(name),
+                    parts,
+                    chunk_size=PART_BYTES,
+                    max_concurrency=max(threads, 1),
+                    use_multipart=size > PART_BYTES,
+                    mode="create",
+                )
+            created.append(name)
 
-        _each(upload, list(files.items()), threads)
+        try:
+            _each(upload, list(files.items()), threads)
+        except BaseException:
+            for name in created:
+                self.delete(name)
+            raise
 
     def read_ranges(
         self,
@@ -384,6 +398,17 @@ def _window(pool: ThreadPoolExecutor, width: int, fn: Callable, items: Iterator[
             yield pending.popleft().result()
     while pending:
         yield pending.popleft().result()
+
+
+@contextmanager
+def _refused_if_exists(where: str) -> Iterator[None]:
+    """A conditional PUT refused because the object exists, as ``FileExistsError``."""
+    try:
+        yield
+    except Exception as exc:
+        if type(exc).__name__ == "AlreadyExistsError":  # obstore's, without importing it
+            raise FileExistsError(f"{where}: already exists") from exc
+        raise
 
 
 def _each(fn: Callable[[Any], None], items: list[Any], threads: int) -> None:

@@ -1,0 +1,163 @@
+"""A save whose structure is unchanged writes with the cached plan before any
+collective (docs/distributed.md): before rank 0 has locked or cleared the directory.
+Whatever is already there — a committed checkpoint, another job's save in flight, a
+crashed save's leftovers — it is never damaged, and the save either commits or fails
+the way an agreed save does."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed
+from distributed import run_ranks
+
+import shardpoint
+from shardpoint.storage import local as local_storage
+
+
+def _state(rank: int, step: int) -> dict:
+    torch.manual_seed(step)
+    return {
+        "shared": {f"w{i}": torch.randn(32, 8) for i in range(6)},  # split among the ranks
+        "own": {str(rank): torch.full((3,), float(10 * rank + step))},  # this rank's alone
+        "step": step,
+    }
+
+
+def _fingerprint(directory: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.iterdir())
+        if p.is_file()
+    }
+
+
+def _then(rank: int, root: str, target: str, name: str) -> None:
+    """Two saves (the plan is cached after the first), then one into ``target``; records
+    what each rank raised and whether it wrote a shard file into ``target``."""
+    for step in range(2):
+        shardpoint.save(_state(rank, step), f"{root}/step{step}")
+    torch.distributed.barrier()
+    if rank == 0 and Path(target).is_dir():  # before any rank writes there
+        with open(f"{root}/{name}-before.json", "w") as f:
+            json.dump(_fingerprint(Path(target)), f)
+    torch.distributed.barrier()
+    wrote = []
+    real = local_storage.LocalDirectory.write_files
+
+    def recording(self, files, **kwargs):
+        if str(self.root) == target:
+            wrote.extend(files)
+        return real(self, files, **kwargs)
+
+    local_storage.LocalDirectory.write_files = recording
+    raised = None
+    try:
+        shardpoint.save(_state(rank, 2), target)
+    except Exception as exc:
+        raised = type(exc).__name__
+    finally:
+        local_storage.LocalDirectory.write_files = real
+    with open(f"{root}/{name}{rank}.json", "w") as f:
+        json.dump({"raised": raised, "wrote": wrote}, f)
+
+
+def _outcomes(root: Path, name: str, world: int) -> list[dict]:
+    return [json.loads((root / f"{name}{r}.json").read_text()) for r in range(world)]
+
+
+def _into_committed(rank: int, world: int, root: str) -> None:
+    _then(rank, root, f"{root}/step0", "committed")
+
+
+def test_an_unchanged_save_into_a_committed_checkpoint_writes_nothing_there(tmp_path):
+    """The committed checkpoint is refused by every rank before it writes a byte: rank 0
+    when it locks, every other rank by looking for the marker first (it has no lock)."""
+    run_ranks(2, _into_committed, str(tmp_path))
+    outcomes = _outcomes(tmp_path, "committed", 2)
+    assert outcomes[0]["raised"] == "CheckpointExistsError"
+    assert outcomes[1]["raised"] == "CheckpointError"
+    assert [o["wrote"] for o in outcomes] == [[], []]
+    before = json.loads((tmp_path / "committed-before.json").read_text())
+    assert _fingerprint(tmp_path / "step0") == before
+    assert shardpoint.verify(tmp_path / "step0").ok
+
+
+def _beside_another_writer(rank: int, world: int, root: str) -> None:
+    _then(rank, root, f"{root}/busy", "busy")
+
+
+def test_an_unchanged_save_beside_another_jobs_save_leaves_its_files_alone(tmp_path):
+    """Another job is saving into the same directory (it holds the lock and has written
+    a file whose name this save needs). The speculative write creates files exclusively,
+    so it neither overwrites nor, failing, deletes that file; the agreed save that
+    follows is refused by the lock on every rank."""
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    theirs = busy / "rank00001-00000.safetensors"
+    theirs.write_bytes(b"the other job's bytes")
+    lock = local_storage.WriterLock(busy)
+    lock.acquire()
+    try:
+        run_ranks(2, _beside_another_writer, str(tmp_path))
+    finally:
+        lock.release()
+    outcomes = _outcomes(tmp_path, "busy", 2)
+    assert outcomes[0]["raised"] == "ConcurrentWriterError"
+    assert outcomes[1]["raised"] == "CheckpointError"
+    assert theirs.read_bytes() == b"the other job's bytes"
+    assert sorted(p.name for p in busy.iterdir()) == [theirs.name]  # nothing else left
+
+
+def _onto_leftovers(rank: int, world: int, root: str) -> None:
+    _then(rank, root, f"{root}/step2", "leftovers")
+
+
+def test_an_unchanged_save_onto_a_crashed_saves_leftovers_commits_and_clears_them(tmp_path):
+    """A crashed save left files at the path (names this save needs, and others): the
+    speculative write refuses the names that are there, every rank saves again agreed
+    first — rank 0 clears the leftovers under the lock — and the checkpoint commits,
+    holding nothing but its own files."""
+    step2 = tmp_path / "step2"
+    step2.mkdir()
+    for name in ("rank00001-00000.safetensors", "rank00007-00000.safetensors", "index.json"):
+        (step2 / name).write_bytes(b"left by a crashed save")
+    run_ranks(2, _onto_leftovers, str(tmp_path))
+    assert [o["raised"] for o in _outcomes(tmp_path, "leftovers", 2)] == [None, None]
+    _check_only_its_own_files(step2)
+
+
+def _onto_unneeded_leftovers(rank: int, world: int, root: str) -> None:
+    _then(rank, root, f"{root}/step2", "unneeded")
+
+
+def test_leftovers_a_speculative_save_does_not_collide_with_are_cleared_at_its_commit(
+    tmp_path,
+):
+    """Leftovers whose names this save does not use: the speculative save commits at
+    once, and rank 0 clears them before the index is written."""
+    step2 = tmp_path / "step2"
+    step2.mkdir()
+    (step2 / "rank00007-00000.safetensors").write_bytes(b"left by a crashed save")
+    run_ranks(2, _onto_unneeded_leftovers, str(tmp_path))
+    outcomes = _outcomes(tmp_path, "unneeded", 2)
+    assert [o["raised"] for o in outcomes] == [None, None]
+    assert all(o["wrote"] for o in outcomes)  # written once each: no second, agreed save
+    assert [len(o["wrote"]) for o in outcomes] == [1, 1]
+    _check_only_its_own_files(step2)
+
+
+def _check_only_its_own_files(directory: Path) -> None:
+    assert shardpoint.verify(directory).ok
+    index = json.loads((directory / "index.json").read_text())
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        [*index["files"], "index.json", "COMMITTED"]
+    )
+    with shardpoint.open(directory) as ckpt:
+        expected = _state(0, 2)["shared"]
+        for name, tensor in expected.items():
+            assert torch.equal(ckpt.get(f"shared.{name}"), tensor)
+        assert torch.equal(ckpt.get("own.1"), torch.full((3,), 12.0))
