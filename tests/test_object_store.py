@@ -168,7 +168,7 @@ def test_a_save_creates_its_objects_exclusively_and_removes_only_its_own(s3):
         theirs: (4, [Segment(0, torch.ones(4, dtype=torch.uint8))]),
     }
     with pytest.raises(FileExistsError, match=theirs):
-        store.write_files(files, threads=1)
+        store.write_files(files, threads=1, exclusive=True)
     with pytest.raises(FileExistsError, match=theirs):
         store.write_small_durably(theirs, b"mine", exclusive=True)
     assert store.read_small(theirs, 100) == b"the other job's bytes"

@@ -311,7 +311,7 @@ MUTATIONS = [
         "objects not created exclusively",
         "earlier checkpoints and other saves are never damaged (speculative writes)",
         "src/shardpoint/storage/object_store.py",
-        '                    mode="create",\n',
+        '                    mode="create" if exclusive else "overwrite",\n',
         '                    mode="overwrite",\n',
         (
             "tests/test_object_store.py::"

@@ -794,8 +794,8 @@ def _write_fragment(plan: SavePlan, result: WriteResult) -> WriteResult:
     name = fragment_file(plan.rank)
     try:
         data = fragment_json(plan.rank, sharded, plan.rank_values, own)
-        # Exclusive, as every file of a save: one that is there is another save's.
-        plan.storage.write_small_durably(name, data, exclusive=True)
+        # Speculative: exclusive, as the shard files.
+        plan.storage.write_small_durably(name, data, exclusive=plan.speculative)
     except Exception as exc:
         Commit(plan.storage).abort(result.files, remove_directory=False)
         return WriteResult(error=f"rank {plan.rank}: writing {name}: {exc}")
@@ -944,9 +944,9 @@ def write_from_memory(plan: SavePlan, shards: list[ShardFile], threads: int) -> 
     # Checksums run on their own thread, so they cost no wall time.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardpoint-hash") as hasher:
         digests = map_batched(hasher, digests_of, placed, lambda p: p.slot.nbytes)
-        # Created exclusively (a file that is there is another save's); on failure
-        # write_files removes those it created, and only those.
-        plan.storage.write_files(to_write, threads=threads)
+        # Speculative: created exclusively (a file that is there is another save's). On
+        # failure write_files removes the files it wrote, and only those.
+        plan.storage.write_files(to_write, threads=threads, exclusive=plan.speculative)
         try:
             done = digests()
         except Exception:  # none of this rank's files may stay behind

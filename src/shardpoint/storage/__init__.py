@@ -51,7 +51,12 @@ class CheckpointStorage(Protocol):
     def iter_bytes(self, name: str, block: int) -> Iterator[memoryview]: ...
     def write_small_durably(self, name: str, data: bytes, *, exclusive: bool = False) -> None: ...
     def write_files(
-        self, files: dict[str, tuple[int, list[Segment]]], *, threads: int, direct: bool = True
+        self,
+        files: dict[str, tuple[int, list[Segment]]],
+        *,
+        threads: int,
+        direct: bool = True,
+        exclusive: bool = False,
     ) -> None: ...
     def read_ranges(
         self,

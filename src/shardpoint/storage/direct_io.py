@@ -232,17 +232,18 @@ def fsync_directory(path: Path) -> None:
 
 
 def write_files(
-    files: dict[Path, tuple[int, list[Segment]]], *, threads: int, direct: bool
+    files: dict[Path, tuple[int, list[Segment]]], *, threads: int, direct: bool, exclusive: bool
 ) -> None:
-    """Create each file (path -> (size, segments)), refusing one that exists, write it
-    with parallel block jobs, then fsync. On failure the files it created are removed,
-    and only those: a file that was there belongs to someone else."""
+    """Write each file (path -> (size, segments)) with parallel block jobs, then fsync.
+    ``exclusive``: create each one, refusing one that exists. On failure the files it
+    created or truncated are removed, and only those: with ``exclusive``, a file that
+    was there belongs to someone else."""
     fds: list[int] = []
     created: list[Path] = []
     try:
         jobs: list[Callable[[], None]] = []
         for path, (size, segments) in files.items():
-            fd, is_direct = open_for_write(path, direct, exclusive=True)
+            fd, is_direct = open_for_write(path, direct, exclusive=exclusive)
             created.append(path)
             fds.append(fd)
             segments = sorted(segments, key=lambda s: s.offset)

@@ -242,11 +242,17 @@ class LocalDirectory:
         os.replace(tmp, final)
 
     def write_files(
-        self, files: dict[str, tuple[int, list[Segment]]], *, threads: int, direct: bool = True
+        self,
+        files: dict[str, tuple[int, list[Segment]]],
+        *,
+        threads: int,
+        direct: bool = True,
+        exclusive: bool = False,
     ) -> None:
-        """Write each file (name -> (size, segments)) with parallel block jobs, then fsync."""
+        """Write each file (name -> (size, segments)) with parallel block jobs, then fsync
+        (``direct_io.write_files``; ``exclusive``: refuse a name that exists)."""
         paths = {self.path(name): spec for name, spec in files.items()}
-        direct_io.write_files(paths, threads=threads, direct=direct)
+        direct_io.write_files(paths, threads=threads, direct=direct, exclusive=exclusive)
 
     def read_ranges(
         self,

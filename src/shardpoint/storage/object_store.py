@@ -263,12 +263,19 @@ class ObjectStoreDirectory:
     # ---- bulk I/O -------------------------------------------------------------------------
 
     def write_files(
-        self, files: dict[str, tuple[int, list[Segment]]], *, threads: int, direct: bool = True
+        self,
+        files: dict[str, tuple[int, list[Segment]]],
+        *,
+        threads: int,
+        direct: bool = True,
+        exclusive: bool = False,
     ) -> None:
         """Upload each file from its segments (which tile it) as a parallel multipart
-        upload, refusing a name that exists (``If-None-Match``). A failed upload is
-        aborted, and on failure the objects this call created are deleted, only those:
-        no partial object remains and nobody else's is touched."""
+        upload (``exclusive``: a conditional one, ``If-None-Match``, refusing a name
+        that exists). A failed upload is aborted, and on failure the objects this call
+        created are deleted, only those: no partial object remains and nobody else's
+        is touched. (A conditional PUT whose answer was lost and that is retried is
+        refused although it created the object: the save then runs again, agreed.)"""
         created: list[str] = []
 
         def upload(item: tuple[str, tuple[int, list[Segment]]]) -> None:
@@ -282,7 +289,7 @@ class ObjectStoreDirectory:
                     chunk_size=PART_BYTES,
                     max_concurrency=max(threads, 1),
                     use_multipart=size > PART_BYTES,
-                    mode="create",
+                    mode="create" if exclusive else "overwrite",
                 )
             created.append(name)
 
