@@ -32,7 +32,6 @@ from shardpoint import (
 )
 from shardpoint.format.index import MARKER_NAME
 from shardpoint.storage import open_storage
-from shardpoint.tensor_memory import flat_bytes
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -150,29 +149,6 @@ def test_two_ranks_save_to_s3_and_a_partial_load_reads_only_its_rows(s3, monkeyp
         assert needed <= proxy.bytes_served <= needed + 64 * 1024, proxy.bytes_served
     finally:
         proxy.close()
-
-
-def test_a_save_creates_its_objects_exclusively_and_removes_only_its_own(s3):
-    """A save may write before rank 0 has looked at the prefix (docs/distributed.md):
-    every object is created with a conditional PUT, so one that is there (another
-    save's) is neither replaced nor, when the save fails on it, deleted — while what
-    the failed call did create is removed."""
-    from shardpoint.storage.io_types import Segment
-
-    store = open_storage(f"{s3['url']}/busy")
-    theirs = "rank00001-00000.safetensors"
-    store.write_small_durably(theirs, b"the other job's bytes")
-    big = torch.arange(2 * 1024 * 1024, dtype=torch.float32)  # 8 MB: a multipart upload
-    files = {
-        "rank00001-00001.safetensors": (big.numel() * 4, [Segment(0, flat_bytes(big))]),
-        theirs: (4, [Segment(0, torch.ones(4, dtype=torch.uint8))]),
-    }
-    with pytest.raises(FileExistsError, match=theirs):
-        store.write_files(files, threads=1, exclusive=True)
-    with pytest.raises(FileExistsError, match=theirs):
-        store.write_small_durably(theirs, b"mine", exclusive=True)
-    assert store.read_small(theirs, 100) == b"the other job's bytes"
-    assert store.list() == [theirs]
 
 
 # ---- faults -----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed
 from distributed import run_ranks
@@ -161,3 +162,28 @@ def _check_only_its_own_files(directory: Path) -> None:
         for name, tensor in expected.items():
             assert torch.equal(ckpt.get(f"shared.{name}"), tensor)
         assert torch.equal(ckpt.get("own.1"), torch.full((3,), 12.0))
+
+
+def test_a_streamed_file_made_exclusively_neither_replaces_nor_removes_anothers(tmp_path):
+    """A background save's files (``open_writer(exclusive=True)``): a name another writer
+    took while this one streamed is refused at the close — not renamed over — and the
+    refused writer leaves nothing of its own; a temporary name in use is refused at
+    the open."""
+    directory = local_storage.LocalDirectory(tmp_path)
+    writer = directory.open_writer("rank00001-00000.safetensors", 4096, exclusive=True)
+    writer.write(0, memoryview(bytes(4096)))
+    (tmp_path / "rank00001-00000.safetensors").write_bytes(b"another writer's")
+    with pytest.raises(FileExistsError):
+        writer.close()
+    writer.abort()  # what the saver does after a failed close
+    assert (tmp_path / "rank00001-00000.safetensors").read_bytes() == b"another writer's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank00001-00000.safetensors"]
+    (tmp_path / "rank00002-00000.safetensors.tmp").write_bytes(b"being written")
+    with pytest.raises(FileExistsError):
+        directory.open_writer("rank00002-00000.safetensors", 4096, exclusive=True)
+    assert (tmp_path / "rank00002-00000.safetensors.tmp").read_bytes() == b"being written"
+    # Not exclusive (copies, exports): replaced, as before.
+    writer = directory.open_writer("rank00001-00000.safetensors", 3)
+    writer.write(0, memoryview(b"new"))
+    writer.close()
+    assert (tmp_path / "rank00001-00000.safetensors").read_bytes() == b"new"

@@ -308,14 +308,15 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "objects not created exclusively",
+        "a streamed file renamed over another writer's",
         "earlier checkpoints and other saves are never damaged (speculative writes)",
-        "src/shardpoint/storage/object_store.py",
-        '                    mode="create" if exclusive else "overwrite",\n',
-        '                    mode="overwrite",\n',
+        "src/shardpoint/storage/direct_io.py",
+        "                os.link(self.tmp, self.path)  # FileExistsError: the name is another's\n"
+        "                self.tmp.unlink()\n",
+        "                os.replace(self.tmp, self.path)\n",
         (
-            "tests/test_object_store.py::"
-            "test_a_save_creates_its_objects_exclusively_and_removes_only_its_own",
+            "tests/test_speculative_saves.py::"
+            "test_a_streamed_file_made_exclusively_neither_replaces_nor_removes_anothers",
         ),
     ),
     Mutation(

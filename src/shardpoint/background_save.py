@@ -393,7 +393,10 @@ class _Persist:
 
     def open(self, shards: list[ShardFile]) -> None:
         for f in shards:
-            writer = self.plan.storage.open_writer(f.name, f.size, threads=self.threads)
+            # Exclusive: a name that is there is another writer's (docs/distributed.md).
+            writer = self.plan.storage.open_writer(
+                f.name, f.size, threads=self.threads, exclusive=True
+            )
             opened = _OpenFile(writer, f, len(self.placed))
             self.files.append(opened)
             self.placed.extend(f.placed)
@@ -479,7 +482,9 @@ class _Persist:
                     f.writer.abort()
                 except Exception:  # best effort: the save already failed, say why it did
                     pass
-            Commit(self.plan.storage).abort(list(self._by_name), remove_directory=False)
+            # Only the files it made: one whose name it could not take is another's.
+            made = [f.shard.name for f in self.files if f not in closing]
+            Commit(self.plan.storage).abort(made, remove_directory=False)
             return WriteResult(error=self.error)
         return WriteResult(
             {f.shard.name: f.shard.size for f in self.files},

@@ -152,12 +152,11 @@ class Commit:
         An empty directory left behind (another rank still cleaning up) has no marker,
         is not a checkpoint, and is cleared by the next save or manager start.
         """
-        for name in names:
-            for leftover in (name, f"{name}.tmp"):
-                try:
-                    self.storage.delete(leftover)
-                except Exception:  # best effort: the save already failed, say why it did
-                    pass
+        for name in names:  # the files this writer made; a ".tmp" is its writer's to remove
+            try:
+                self.storage.delete(name)
+            except Exception:  # best effort: the save already failed, say why it did
+                pass
         if remove_directory:
             self.storage.remove_if_empty()
 

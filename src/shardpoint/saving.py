@@ -419,7 +419,8 @@ def plan_save(
             cached = _agree_and_plan(
                 holdings, aliases, sharded, own, own_error, commit_, storage.where, options, group
             )
-            _PLANS[cache_key] = cached
+            if dist.is_distributed():  # one process (or a solo save) never reuses a plan
+                _PLANS[cache_key] = cached
         unsettled = False
     assert cached is not None
     mine = [Piece(h.name, h.offsets, h.shape, me, h) for h in holdings if _writes(h, me)]
@@ -794,8 +795,8 @@ def _write_fragment(plan: SavePlan, result: WriteResult) -> WriteResult:
     name = fragment_file(plan.rank)
     try:
         data = fragment_json(plan.rank, sharded, plan.rank_values, own)
-        # Speculative: exclusive, as the shard files.
-        plan.storage.write_small_durably(name, data, exclusive=plan.speculative)
+        # Exclusive, as the shard files: a fragment that is there is another writer's.
+        plan.storage.write_small_durably(name, data, exclusive=True)
     except Exception as exc:
         Commit(plan.storage).abort(result.files, remove_directory=False)
         return WriteResult(error=f"rank {plan.rank}: writing {name}: {exc}")
@@ -944,9 +945,9 @@ def write_from_memory(plan: SavePlan, shards: list[ShardFile], threads: int) -> 
     # Checksums run on their own thread, so they cost no wall time.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardpoint-hash") as hasher:
         digests = map_batched(hasher, digests_of, placed, lambda p: p.slot.nbytes)
-        # Speculative: created exclusively (a file that is there is another save's). On
-        # failure write_files removes the files it wrote, and only those.
-        plan.storage.write_files(to_write, threads=threads, exclusive=plan.speculative)
+        # Created exclusively (a file that is there is another writer's); on failure
+        # write_files removes the files it created, and only those.
+        plan.storage.write_files(to_write, threads=threads)
         try:
             done = digests()
         except Exception:  # none of this rank's files may stay behind

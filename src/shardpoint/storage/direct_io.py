@@ -232,18 +232,17 @@ def fsync_directory(path: Path) -> None:
 
 
 def write_files(
-    files: dict[Path, tuple[int, list[Segment]]], *, threads: int, direct: bool, exclusive: bool
+    files: dict[Path, tuple[int, list[Segment]]], *, threads: int, direct: bool
 ) -> None:
-    """Write each file (path -> (size, segments)) with parallel block jobs, then fsync.
-    ``exclusive``: create each one, refusing one that exists. On failure the files it
-    created or truncated are removed, and only those: with ``exclusive``, a file that
-    was there belongs to someone else."""
+    """Create each file (path -> (size, segments)), refusing one that exists (another
+    writer's), write it with parallel block jobs, then fsync. On failure the files it
+    created are removed, and only those."""
     fds: list[int] = []
     created: list[Path] = []
     try:
         jobs: list[Callable[[], None]] = []
         for path, (size, segments) in files.items():
-            fd, is_direct = open_for_write(path, direct, exclusive=exclusive)
+            fd, is_direct = open_for_write(path, direct, exclusive=True)
             created.append(path)
             fds.append(fd)
             segments = sorted(segments, key=lambda s: s.offset)
@@ -335,13 +334,16 @@ class StreamingFile:
     written as it is; any other goes through a bounce buffer. Bytes past the file's
     size (the zeroed page padding of a staging slot) are cut off. The file is written
     as ``NAME.tmp`` and renamed on ``close``: like an object, it appears whole or not
-    at all.
+    at all. ``exclusive``: neither ``NAME.tmp`` nor ``NAME`` may exist (another
+    writer's): the first is created exclusively, the second made a link that refuses
+    an existing name, instead of a rename over it.
     """
 
-    def __init__(self, path: Path, size: int) -> None:
-        self.path, self.size = path, size
+    def __init__(self, path: Path, size: int, *, exclusive: bool = False) -> None:
+        self.path, self.size, self.exclusive = path, size, exclusive
         self.tmp = path.with_name(path.name + ".tmp")
-        self.fd, self.direct = open_for_write(self.tmp, True)
+        self.fd: int | None = None
+        self.fd, self.direct = open_for_write(self.tmp, True, exclusive=exclusive)
 
     def write(self, offset: int, data: memoryview) -> None:
         if offset % ALIGN:
@@ -363,17 +365,30 @@ class StreamingFile:
 
     def close(self) -> None:
         """Cut the page padding, fsync, rename into place (made durable in the directory
-        by the commit's directory sync, or the caller's)."""
+        by the commit's directory sync, or the caller's). On failure nothing of it
+        stays."""
+        assert self.fd is not None
+        fd, self.fd = self.fd, None
         try:
-            _truncate_and_sync(self.fd, self.size)()
-        finally:
-            os.close(self.fd)
-        os.replace(self.tmp, self.path)
+            try:
+                _truncate_and_sync(fd, self.size)()
+            finally:
+                os.close(fd)
+            if self.exclusive:
+                os.link(self.tmp, self.path)  # FileExistsError: the name is another's
+                self.tmp.unlink()
+            else:
+                os.replace(self.tmp, self.path)
+        except BaseException:
+            self.tmp.unlink(missing_ok=True)
+            raise
 
     def abort(self) -> None:
         """Close and remove the file: a failed write leaves nothing behind."""
+        fd, self.fd = self.fd, None
         try:
-            os.close(self.fd)
+            if fd is not None:
+                os.close(fd)
         finally:
             self.tmp.unlink(missing_ok=True)
 

@@ -137,10 +137,13 @@ class LocalDirectory:
     def delete(self, name: str) -> None:
         self.path(name).unlink(missing_ok=True)
 
-    def open_writer(self, name: str, size: int, *, threads: int = 1) -> direct_io.StreamingFile:
+    def open_writer(
+        self, name: str, size: int, *, threads: int = 1, exclusive: bool = False
+    ) -> direct_io.StreamingFile:
         """A file of ``size`` bytes written piece by piece (``write(offset, data)``), made
-        durable by ``close()``; ``abort()`` removes it."""
-        return direct_io.StreamingFile(self.path(name), size)
+        durable by ``close()``; ``abort()`` removes it. ``exclusive``: refuse a name that
+        exists (``FileExistsError``) instead of replacing it."""
+        return direct_io.StreamingFile(self.path(name), size, exclusive=exclusive)
 
     def map_file(self, name: str) -> mmap.mmap:
         """A read-only memory map of a regular file (pages stream through the cache)."""
@@ -235,24 +238,23 @@ class LocalDirectory:
         tmp = final.with_name(final.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
-            pwrite_all(fd, memoryview(data), 0)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
+            try:
+                pwrite_all(fd, memoryview(data), 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def write_files(
-        self,
-        files: dict[str, tuple[int, list[Segment]]],
-        *,
-        threads: int,
-        direct: bool = True,
-        exclusive: bool = False,
+        self, files: dict[str, tuple[int, list[Segment]]], *, threads: int, direct: bool = True
     ) -> None:
-        """Write each file (name -> (size, segments)) with parallel block jobs, then fsync
-        (``direct_io.write_files``; ``exclusive``: refuse a name that exists)."""
+        """Create each file (name -> (size, segments)), refusing a name that exists, write
+        it with parallel block jobs, then fsync (``direct_io.write_files``)."""
         paths = {self.path(name): spec for name, spec in files.items()}
-        direct_io.write_files(paths, threads=threads, direct=direct, exclusive=exclusive)
+        direct_io.write_files(paths, threads=threads, direct=direct)
 
     def read_ranges(
         self,

@@ -223,16 +223,19 @@ class ObjectStoreDirectory:
         return _NoLock()
 
     def write_small_durably(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
-        """One PUT: S3 makes an object visible whole or not at all. ``exclusive``:
-        refuse a name that exists (``FileExistsError``)."""
-        with _refused_if_exists(self.location(name)):
-            mode = "create" if exclusive else "overwrite"
-            self.obs.put(self.store, self._key(name), data, use_multipart=False, mode=mode)
+        """One PUT: S3 makes an object visible whole or not at all. Nothing is created
+        exclusively here (``exclusive`` is for local files): obstore's conditional PUT
+        cannot be a multipart upload, and an object store has no lock either — one
+        writer per prefix (docs/storage.md)."""
+        self.obs.put(self.store, self._key(name), data, use_multipart=False)
 
-    def open_writer(self, name: str, size: int, *, threads: int = 1) -> _ObjectWriter:
+    def open_writer(
+        self, name: str, size: int, *, threads: int = 1, exclusive: bool = False
+    ) -> _ObjectWriter:
         """An object of ``size`` bytes written piece by piece (``write(offset, data)``, in
         any order), uploaded as parallel multipart parts and visible only after
-        ``close()``; ``abort()`` leaves no object."""
+        ``close()``; ``abort()`` leaves no object. Never exclusive (see
+        ``write_small_durably``)."""
         self._tables.pop(name, None)
         return _ObjectWriter(self, name, size, threads)
 
@@ -263,34 +266,25 @@ class ObjectStoreDirectory:
     # ---- bulk I/O -------------------------------------------------------------------------
 
     def write_files(
-        self,
-        files: dict[str, tuple[int, list[Segment]]],
-        *,
-        threads: int,
-        direct: bool = True,
-        exclusive: bool = False,
+        self, files: dict[str, tuple[int, list[Segment]]], *, threads: int, direct: bool = True
     ) -> None:
         """Upload each file from its segments (which tile it) as a parallel multipart
-        upload (``exclusive``: a conditional one, ``If-None-Match``, refusing a name
-        that exists). A failed upload is aborted, and on failure the objects this call
-        created are deleted, only those: no partial object remains and nobody else's
-        is touched. (A conditional PUT whose answer was lost and that is retried is
-        refused although it created the object: the save then runs again, agreed.)"""
+        upload (not exclusively: see ``write_small_durably``). A failed upload is
+        aborted, and on failure the objects this call created are deleted: no partial
+        object remains."""
         created: list[str] = []
 
         def upload(item: tuple[str, tuple[int, list[Segment]]]) -> None:
             name, (size, segments) = item
             parts = _parts(sorted(segments, key=lambda s: s.offset), size)
-            with _refused_if_exists(self.location(name)):
-                self.obs.put(
-                    self.store,
-                    self._key(name),
-                    parts,
-                    chunk_size=PART_BYTES,
-                    max_concurrency=max(threads, 1),
-                    use_multipart=size > PART_BYTES,
-                    mode="create" if exclusive else "overwrite",
-                )
+            self.obs.put(
+                self.store,
+                self._key(name),
+                parts,
+                chunk_size=PART_BYTES,
+                max_concurrency=max(threads, 1),
+                use_multipart=size > PART_BYTES,
+            )
             created.append(name)
 
         try:
@@ -405,17 +399,6 @@ def _window(pool: ThreadPoolExecutor, width: int, fn: Callable, items: Iterator[
             yield pending.popleft().result()
     while pending:
         yield pending.popleft().result()
-
-
-@contextmanager
-def _refused_if_exists(where: str) -> Iterator[None]:
-    """A conditional PUT refused because the object exists, as ``FileExistsError``."""
-    try:
-        yield
-    except Exception as exc:
-        if type(exc).__name__ == "AlreadyExistsError":  # obstore's, without importing it
-            raise FileExistsError(f"{where}: already exists") from exc
-        raise
 
 
 def _each(fn: Callable[[Any], None], items: list[Any], threads: int) -> None:
