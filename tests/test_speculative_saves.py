@@ -187,3 +187,26 @@ def test_a_streamed_file_made_exclusively_neither_replaces_nor_removes_anothers(
     writer.write(0, memoryview(b"new"))
     writer.close()
     assert (tmp_path / "rank00001-00000.safetensors").read_bytes() == b"new"
+
+
+def test_a_background_save_whose_file_name_another_writer_took_leaves_that_file(
+    tmp_path, monkeypatch
+):
+    """Another writer takes a name while a background save streams that file: the
+    save fails, and its clean-up removes the files it made, not that one."""
+    target = tmp_path / "step"
+    real_close = local_storage.direct_io.StreamingFile.close
+
+    def racing_close(self):
+        if self.path.name == "rank00000-00001.safetensors":
+            self.path.write_bytes(b"another writer's")
+        return real_close(self)
+
+    monkeypatch.setattr(local_storage.direct_io.StreamingFile, "close", racing_close)
+    state = {f"w{i}": torch.full((1024,), float(i)) for i in range(4)}  # 4 KB each
+    saver = shardpoint.AsyncSaver(max_shard_size=8192)  # two files
+    handle = saver.save(state, target)
+    with pytest.raises(shardpoint.CheckpointError, match="rank00000-00001"):
+        handle.wait()
+    assert (target / "rank00000-00001.safetensors").read_bytes() == b"another writer's"
+    assert sorted(p.name for p in target.iterdir()) == ["rank00000-00001.safetensors"]

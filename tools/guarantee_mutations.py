@@ -320,6 +320,17 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "a failed background save removes every file it meant to write",
+        "earlier checkpoints and other saves are never damaged (speculative writes)",
+        "src/shardpoint/background_save.py",
+        "            made = [f.shard.name for f in self.files if f not in closing]\n",
+        "            made = list(self._by_name)\n",
+        (
+            "tests/test_speculative_saves.py::"
+            "test_a_background_save_whose_file_name_another_writer_took_leaves_that_file",
+        ),
+    ),
+    Mutation(
         "a failed write removes files it did not create",
         "earlier checkpoints and other saves are never damaged (speculative writes)",
         "src/shardpoint/storage/direct_io.py",
