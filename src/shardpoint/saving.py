@@ -758,7 +758,7 @@ def _commit(
         own = [*result.files, *((INDEX_NAME, MARKER_NAME) if plan.commit else ())]
         again = isinstance(outcome, dict)
         cleanup.abort(own, remove_directory=plan.commit is not None and not again)
-        if isinstance(outcome, dict):
+        if again:
             raise _Unsettled(outcome["again"])
         raise CheckpointError(
             f"{plan.storage.where}: writing the checkpoint failed ({outcome}); nothing was "
