@@ -404,7 +404,7 @@ def plan_save(
             # Written before rank 0 has looked: never beside a committed checkpoint.
             if Commit(storage).is_committed():
                 raise CheckpointError(f"{storage.where}: a committed checkpoint is here")
-            storage.prepare()
+            storage.prepare(durable=False)  # the committing rank's makes it durable
     except Exception as exc:
         own_error = exc
     if speculative:

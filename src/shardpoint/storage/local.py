@@ -157,12 +157,14 @@ class LocalDirectory:
         with open(self.path(name), "ab") as f:
             f.write(data)
 
-    def prepare(self) -> None:
-        """Create the directory and make its entry durable in the parent."""
+    def prepare(self, *, durable: bool = True) -> None:
+        """Create the directory and (``durable``) make its entry durable in the parent;
+        a rank that does not commit leaves that to the one that does."""
         if self.root.exists() and not self.root.is_dir():
             raise NotADirectoryError(f"{self.root}: exists and is not a directory")
         self.root.mkdir(parents=True, exist_ok=True)
-        fsync_directory(self.root.parent)
+        if durable:
+            fsync_directory(self.root.parent)
 
     def sync(self) -> None:
         fsync_directory(self.root)

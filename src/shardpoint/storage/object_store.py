@@ -254,7 +254,7 @@ class ObjectStoreDirectory:
                 pass
 
     # Directory operations are no-ops: a prefix exists while objects are under it.
-    def prepare(self) -> None:
+    def prepare(self, *, durable: bool = True) -> None:
         return None
 
     def sync(self) -> None:
