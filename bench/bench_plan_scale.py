@@ -213,7 +213,7 @@ def chunk_for(name: str, i: int, rank: int, offsets, shape, item: int = 2) -> Ch
     begin = 8192 + nbytes * i
     return Chunk(
         shard_file(rank, 0), f"{name}@{','.join(map(str, offsets))}", offsets, shape,
-        begin, begin + nbytes, ("0123456789abcdef",), max(shape[0], 1),
+        (begin, begin + nbytes), max(shape[0], 1), ("0123456789abcdef",),
     )  # fmt: skip
 
 

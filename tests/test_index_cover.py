@@ -66,7 +66,13 @@ def test_the_overlap_check_agrees_with_comparing_every_pair(seed, dims, pieces, 
 def _chunks(boxes):
     return tuple(
         index_format.Chunk(
-            "f", "k", tuple(lo for lo, _ in b), tuple(hi - lo for lo, hi in b), 0, 0, ("0" * 16,), 1
+            "f",
+            "k",
+            tuple(lo for lo, _ in b),
+            tuple(hi - lo for lo, hi in b),
+            (0, 0),
+            1,
+            ("0" * 16,),
         )
         for b in boxes
     )

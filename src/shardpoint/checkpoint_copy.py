@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+import msgspec
+
 from .checkpoint_dir import open_committed
 from .commit import Commit
 from .errors import CheckpointError
@@ -114,7 +116,7 @@ def _own_names(files: list[str]) -> dict[str, str]:
 
 
 def _moved(c: Chunk, renamed: dict[str, str]) -> Chunk:
-    return replace(c, file=renamed[c.file])
+    return msgspec.structs.replace(c, file=renamed[c.file])
 
 
 def _entry(e: TensorEntry, renamed: dict[str, str]) -> TensorEntry:

@@ -332,10 +332,9 @@ def open_hf(source: str | os.PathLike[str]) -> CommittedCheckpoint:
                 name,
                 (0,) * len(slot.shape),
                 slot.shape,
-                header.data_start + slot.begin,
-                header.data_start + slot.end,
-                (),
+                (header.data_start + slot.begin, header.data_start + slot.end),
                 max(rows, 1),
+                (),
             )
             entries[name] = TensorEntry(name, slot.dtype, slot.shape, (chunk,))
     index = Index(

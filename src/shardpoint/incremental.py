@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 import xxhash
 
@@ -97,7 +98,7 @@ class IncrementalChain:
             file = r.chunk.file
             if split_reference(file) is None:
                 file = reference(name, file)
-            record = replace(r, chunk=replace(r.chunk, file=file))
+            record = replace(r, chunk=msgspec.structs.replace(r.chunk, file=file))
             size = file_sizes[r.chunk.file]
             stored[_key(r.name, r.chunk.offsets, r.chunk.shape, r.dtype)] = Stored(
                 record, r.identity, tokens[r.name], size

@@ -289,7 +289,7 @@ class ChunkRecord:
     @staticmethod
     def from_json(doc: list[Any]) -> ChunkRecord:
         name, dtype, global_shape, file, key, offsets, shape, begin, end, sums, rows, of = doc
-        chunk = Chunk(file, key, tuple(offsets), tuple(shape), begin, end, tuple(sums), rows)
+        chunk = Chunk(file, key, tuple(offsets), tuple(shape), (begin, end), rows, tuple(sums))
         box = (tuple(of[0]), tuple(of[1])) if of is not None else None
         return ChunkRecord(name, dtype, tuple(global_shape), chunk, box)
 
@@ -916,10 +916,9 @@ def chunk_records(
                 p.key,
                 tuple(p.piece.offsets),
                 tuple(p.piece.shape),
-                p.begin,
-                p.end,
-                tuple(digest),
+                (p.begin, p.end),
                 p.block_rows,
+                tuple(digest),
             ),
             (p.piece.source.offsets, p.piece.source.shape) if p.piece.source.replicated else None,
             ident,

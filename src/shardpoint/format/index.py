@@ -83,19 +83,34 @@ def block_checksums(data: Any, shape: tuple[int, ...], itemsize: int, block_rows
     return [checksum(view[i * step : (i + 1) * step]) for i in range(blocks)]
 
 
-# Built per tensor: a frozen dataclass costs five times as much to build.
-@dataclass(slots=True, unsafe_hash=True)
-class Chunk:
-    """One stored piece of a tensor: where it sits in the tensor and in its file."""
+# Numbers an index holds: ints in int64's range (msgspec checks them while decoding).
+_UInt64 = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+_Digest = Annotated[str, msgspec.Meta(min_length=16, max_length=16)]
+
+
+class Chunk(msgspec.Struct, frozen=True, gc=False):
+    """One stored piece of a tensor: where it sits in the tensor and in its file.
+
+    An index may list millions: msgspec decodes them straight into this record (its
+    fields are the JSON object's, in order; no cycles, so the collector skips them).
+    The constraints on the fields are checked when decoding, not when built here.
+    """
 
     file: str
     key: str  # the tensor name inside the safetensors file
-    offsets: tuple[int, ...]  # position of the chunk inside the global tensor
-    shape: tuple[int, ...]
-    begin: int  # absolute byte range inside ``file``
-    end: int
-    checksums: tuple[str, ...]  # one per block of ``block_rows`` rows
-    block_rows: int
+    offsets: tuple[_UInt64, ...]  # position of the chunk inside the global tensor
+    shape: tuple[_UInt64, ...]
+    byte_range: tuple[_UInt64, _UInt64]  # absolute [begin, end) inside ``file``
+    block_rows: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+    checksums: tuple[_Digest, ...]  # one per block of ``block_rows`` rows
+
+    @property
+    def begin(self) -> int:
+        return self.byte_range[0]
+
+    @property
+    def end(self) -> int:
+        return self.byte_range[1]
 
     @property
     def rows(self) -> int:
@@ -103,12 +118,14 @@ class Chunk:
 
     @property
     def row_bytes(self) -> int:
-        return (self.end - self.begin) // self.rows if self.rows else 0
+        begin, end = self.byte_range
+        return (end - begin) // self.rows if self.rows else 0
 
     def block_span(self, i: int) -> tuple[int, int]:
         """Absolute byte range of checksum block ``i``."""
+        begin, end = self.byte_range
         step = self.block_rows * self.row_bytes
-        return self.begin + i * step, min(self.begin + (i + 1) * step, self.end)
+        return begin + i * step, min(begin + (i + 1) * step, end)
 
 
 # Built per tensor: a frozen dataclass costs five times as much to build.
@@ -171,7 +188,7 @@ class Index:
                 mesh = meshes.setdefault(sharding.mesh, len(meshes))
                 spec["sharding"] = {"mesh": mesh, "dims": list(sharding.dims)}
             else:
-                spec["chunks"] = [chunk_json(c) for c in e.chunks]
+                spec["chunks"] = e.chunks  # encoded as JSON objects, fields in order
             tensors[name] = spec
         doc = {
             "format": FORMAT_NAME,
@@ -192,18 +209,6 @@ class Index:
     def _file_json(self, name: str, size: int) -> dict[str, Any]:
         header = self.headers.get(name)
         return {"size": size} if header is None else {"size": size, "header": header}
-
-
-def chunk_json(c: Chunk) -> dict[str, Any]:
-    return {
-        "file": c.file,
-        "key": c.key,
-        "offsets": list(c.offsets),
-        "shape": list(c.shape),
-        "byte_range": [c.begin, c.end],
-        "block_rows": c.block_rows,
-        "checksums": list(c.checksums),
-    }
 
 
 def _dumps(doc: Any) -> bytes:
@@ -229,10 +234,10 @@ def fragment_json(
     doc = {
         "format": FRAGMENT_FORMAT,
         "rank": rank,
-        "chunks": {name: chunk_json(c) for name, c in chunks.items()},
+        "chunks": chunks,
         "values": values,
         "tensors": {
-            e.name: {"dtype": e.dtype, "shape": list(e.shape), "chunk": chunk_json(e.chunks[0])}
+            e.name: {"dtype": e.dtype, "shape": list(e.shape), "chunk": e.chunks[0]}
             for e in entries
         },
     }
@@ -291,26 +296,13 @@ def _int(value: object, what: str, where: str, low: int = 0) -> int:
     return value  # type: ignore[return-value]
 
 
-# What msgspec decodes. Numbers a chunk holds (millions of them in a large index) are
-# typed, so msgspec checks them in C; everything else stays a plain JSON value and is
-# checked below, with messages that name the entry.
-_UInt64 = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
-
-
-class _ChunkDoc(msgspec.Struct):
-    file: Any
-    key: Any
-    offsets: tuple[_UInt64, ...]
-    shape: tuple[_UInt64, ...]
-    byte_range: tuple[_UInt64, _UInt64]
-    block_rows: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
-    checksums: tuple[Annotated[str, msgspec.Meta(min_length=16, max_length=16)], ...]
-
-
+# What msgspec decodes. Chunks (millions of them in a large index) decode into
+# ``Chunk``, their numbers and strings checked in C; everything else stays a plain
+# JSON value and is checked below, with messages that name the entry.
 class _EntryDoc(msgspec.Struct):
     dtype: Any = msgspec.UNSET
     shape: tuple[_UInt64, ...] | msgspec.UnsetType = msgspec.UNSET
-    chunks: tuple[_ChunkDoc, ...] | msgspec.UnsetType = msgspec.UNSET
+    chunks: tuple[Chunk, ...] | msgspec.UnsetType = msgspec.UNSET
     sharding: Any = msgspec.UNSET
     alias_of: Any = msgspec.UNSET
 
@@ -343,11 +335,11 @@ class _IndexDoc(msgspec.Struct):
 class _FragmentTensorDoc(msgspec.Struct):
     dtype: Any
     shape: tuple[_UInt64, ...]
-    chunk: _ChunkDoc
+    chunk: Chunk
 
 
 class _FragmentDoc(msgspec.Struct):
-    chunks: dict[str, _ChunkDoc]
+    chunks: dict[str, Chunk]
     tensors: dict[str, _FragmentTensorDoc]
     values: Any
     format: Any = None
@@ -516,7 +508,8 @@ def _parse_fields(doc: _IndexDoc, where: str) -> Index:
             continue
         if spec.chunks is unset:
             raise _corrupt(where, f"entry {name!r} has neither chunks nor a sharding")
-        chunks = tuple([_parse_chunk(c, name, dtype, shape, files, where) for c in spec.chunks])
+        chunks = spec.chunks
+        _check_chunks(chunks, name, dtype, shape, files, where)
         _check_cover(name, shape, chunks, where)
         entries[name] = TensorEntry(name, dtype, shape, chunks)
     for name, target in aliases.items():
@@ -652,7 +645,8 @@ def parse_fragment(raw: bytes, where: str, rank: int, index: Index) -> Fragment:
             dtype, shape = _dtype_and_shape(spec.dtype, spec.shape, name, where)
             if name in index.entries or name in index.aliases:
                 raise _corrupt(where, f"entry {name!r} is also in {INDEX_NAME}")
-            chunk = _parse_chunk(spec.chunk, name, dtype, shape, index.files, where)
+            chunk = spec.chunk
+            _check_chunks((chunk,), name, dtype, shape, index.files, where)
             if chunk.shape != shape:
                 raise _corrupt(where, f"the chunk of {name!r} is not the whole tensor")
             entries[name] = TensorEntry(name, dtype, shape, (chunk,))
@@ -661,7 +655,8 @@ def parse_fragment(raw: bytes, where: str, rank: int, index: Index) -> Fragment:
             if sharding is None:
                 raise _corrupt(where, f"names {name!r:.200}, which has no sharding in the index")
             entry = index.entries[name]
-            chunk = _parse_chunk(spec, name, entry.dtype, entry.shape, index.files, where)
+            chunk = spec
+            _check_chunks((chunk,), name, entry.dtype, entry.shape, index.files, where)
             coord = sharding.mesh.coord_of(rank)
             if (
                 coord is None
@@ -692,49 +687,55 @@ def _nested_fragment(rank: int, path: str) -> Any:
     raise ValueError("a value kept in a fragment refers to a fragment again")
 
 
-def _parse_chunk(
-    spec: _ChunkDoc,
+def _check_chunks(
+    chunks: tuple[Chunk, ...],
     name: str,
     dtype: str,
     shape: tuple[int, ...],
     files: dict[str, int],
     where: str,
-) -> Chunk:
-    # This runs for every chunk of every tensor (100,000 chunks may make one tensor):
-    # each check is written out, with no helper call on the path of a valid chunk.
-    # msgspec checked the numbers' types and ranges.
-    file = spec.file
-    if type(file) is not str or file not in files:  # names in `files` were checked already
-        raise _corrupt(where, f"entry {name!r} names file {file!r:.200} not listed in files")
-    offsets, cshape = spec.offsets, spec.shape
+) -> None:
+    """Each chunk of entry ``name`` lies inside its tensor and inside a listed file,
+    its byte range fits its shape, and it has one checksum per block of rows.
+
+    This runs for every chunk of every tensor (100,000 chunks may make one tensor):
+    each check is written out, with no helper call on the path of a valid chunk.
+    msgspec checked the numbers' types and ranges and the strings' types.
+    """
     n = len(shape)
-    if len(offsets) != n or len(cshape) != n:
-        what = "offsets" if len(offsets) != n else "shape"
-        raise _corrupt(
-            where, f"chunk {what} of {name!r} must be a list of {n} ints, one per dimension"
-        )
-    begin, end = spec.byte_range
-    if cshape != shape:  # a whole tensor (offsets in range only if all 0) needs no more
-        for o, c, d in zip(offsets, cshape, shape):
-            if o + c > d:
-                raise _corrupt(where, f"a chunk of {name!r} lies outside its shape {list(shape)}")
-    elif any(offsets):
-        raise _corrupt(where, f"a chunk of {name!r} lies outside its shape {list(shape)}")
-    if end - begin != math.prod(cshape) * DTYPES[dtype].itemsize or end > files[file]:
-        raise _corrupt(
-            where,
-            f"chunk of {name!r} has byte_range [{begin}, {end}] inconsistent with its "
-            f"shape or with the size of {file}",
-        )
-    block_rows = spec.block_rows
-    digests = spec.checksums  # strings of 16 characters (decoded so): one match checks them
-    rows = cshape[0] if cshape else 1
-    if len(digests) != max(1, -(-rows // block_rows)) or not _HEX.fullmatch("".join(digests)):
-        raise _bad_checksums(name, digests, block_rows, where)
-    key = spec.key
-    if type(key) is not str:
-        raise _corrupt(where, f"chunk of {name!r} has a non-string key")
-    return Chunk(file, key, offsets, cshape, begin, end, digests, block_rows)
+    item = DTYPES[dtype].itemsize
+    for c in chunks:
+        size = files.get(c.file)  # names in `files` were checked already
+        if size is None:
+            raise _corrupt(where, f"entry {name!r} names file {c.file!r:.200} not listed in files")
+        offsets, cshape = c.offsets, c.shape
+        if len(offsets) != n or len(cshape) != n:
+            what = "offsets" if len(offsets) != n else "shape"
+            raise _corrupt(
+                where, f"chunk {what} of {name!r} must be a list of {n} ints, one per dimension"
+            )
+        if cshape != shape:  # a whole tensor (offsets in range only if all 0) needs no more
+            for o, k, d in zip(offsets, cshape, shape):
+                if o + k > d:
+                    raise _corrupt(
+                        where, f"a chunk of {name!r} lies outside its shape {list(shape)}"
+                    )
+        elif any(offsets):
+            raise _corrupt(where, f"a chunk of {name!r} lies outside its shape {list(shape)}")
+        begin, end = c.byte_range
+        if end - begin != math.prod(cshape) * item or end > size:
+            raise _corrupt(
+                where,
+                f"chunk of {name!r} has byte_range [{begin}, {end}] inconsistent with its "
+                f"shape or with the size of {c.file}",
+            )
+        rows = cshape[0] if cshape else 1
+        if len(c.checksums) != max(1, -(-rows // c.block_rows)):
+            raise _bad_checksums(name, c.checksums, c.block_rows, where)
+    # Strings of 16 characters (decoded so): one match checks every digest.
+    if not _HEX.fullmatch("".join([d for c in chunks for d in c.checksums])):
+        bad = next(c for c in chunks if not _HEX.fullmatch("".join(c.checksums)))
+        raise _bad_checksums(name, bad.checksums, bad.block_rows, where)
 
 
 def _bad_checksums(name: str, digests: Any, block_rows: Any, where: str) -> CorruptCheckpointError:
