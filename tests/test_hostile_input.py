@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 
 import shardpoint
 from shardpoint.errors import CorruptCheckpointError
-from shardpoint.format.index import FORMAT_VERSION, INDEX_NAME, Index, parse_index
+from shardpoint.format.index import (
+    FORMAT_VERSION,
+    INDEX_NAME,
+    Chunk,
+    Index,
+    TensorEntry,
+    parse_index,
+)
 from shardpoint.format.safetensors import DTYPES
 
 
@@ -213,3 +220,122 @@ def test_a_dimension_the_index_accepts_is_one_torch_can_allocate(data):
     parsed = index.entries[name]
     torch.empty(parsed.shape, dtype=DTYPES[parsed.dtype], device="meta")
     assert parsed.nbytes < 2**63
+
+
+# From this many chunks a tensor's chunks are checked on arrays (format/index.py), not
+# one by one: the same refusals must come out of both.
+MANY = 40
+
+
+@functools.cache
+def _many_chunk_index() -> bytes:
+    """A version 1 index whose entries have MANY chunks each: row pieces of one rank
+    file each, column pieces, and an 8 x 5 grid."""
+    rows, cols = MANY * 2, 10
+    files = {f"rank{r:05d}-00000.safetensors": 10_000 for r in range(MANY)}
+    layouts = {
+        "rows": (
+            (rows, 6),
+            [((2 * r, 0), (2, 6)) for r in range(MANY)],
+        ),
+        "columns": (
+            (3, MANY * 2),
+            [((0, 2 * r), (3, 2)) for r in range(MANY)],
+        ),
+        "grid": (
+            (16, cols),
+            [((2 * (r // 5), 2 * (r % 5)), (2, 2)) for r in range(MANY)],
+        ),
+    }
+    entries = {}
+    for name, (shape, boxes) in layouts.items():
+        chunks = []
+        for r, (offsets, cshape) in enumerate(boxes):
+            begin = 512 + 1000 * list(layouts).index(name)
+            chunks.append(
+                Chunk(
+                    f"rank{r:05d}-00000.safetensors",
+                    f"{name}@{r}",
+                    offsets,
+                    cshape,
+                    (begin, begin + 4 * math.prod(cshape)),
+                    1,
+                    ("0123456789abcdef",) * cshape[0],
+                )
+            )
+        entries[name] = TensorEntry(name, "F32", shape, tuple(chunks))
+    tree = {"dict": [[n, {"tensor": n}] for n in entries]}
+    index = Index(files, entries, {}, tree, "2026-01-01T00:00:00+00:00", "0", MANY)
+    index.format_version = 1
+    return index.to_json()
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_any_value_in_an_index_of_many_chunks_gives_a_typed_error_or_a_consistent_index(data):
+    doc = json.loads(_many_chunk_index())
+    path, value = data.draw(_edits(doc))
+    doc = _set(doc, path, value)
+    try:
+        index = parse_index(json.dumps(doc).encode(), "index.json")
+    except CorruptCheckpointError:
+        return
+    _assert_consistent(index)
+
+
+def test_an_index_of_many_chunks_parses_as_written():
+    index = parse_index(_many_chunk_index(), "index.json")
+    assert [len(e.chunks) for e in index.entries.values()] == [MANY, MANY, MANY]
+    _assert_consistent(index)
+
+
+def _length(chunk):
+    return chunk["byte_range"][1] - chunk["byte_range"][0]
+
+
+def _chunk_edit(field, value):
+    def edit(chunk):
+        chunk[field] = value
+
+    return edit
+
+
+@pytest.mark.parametrize("entry", ["rows", "columns", "grid"])
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (_chunk_edit("file", "rank99999-00000.safetensors"), "not listed in files"),
+        (_chunk_edit("offsets", [0]), "offsets of .* one per dimension"),
+        (_chunk_edit("shape", [2, 2, 1]), "shape of .* one per dimension"),
+        (_chunk_edit("offsets", [2**63 - 1, 0]), "lies outside its shape"),
+        (lambda c: c["offsets"].__setitem__(1, c["offsets"][1] + 7), "lies outside its shape"),
+        (lambda c: c["byte_range"].__setitem__(1, c["byte_range"][1] + 4), "byte_range"),
+        (lambda c: c.update(byte_range=[9_990, 9_990 + _length(c)]), "size of rank"),
+        (lambda c: c["checksums"].pop(), "malformed checksums"),
+        (lambda c: c["checksums"].__setitem__(0, "0123456789ABCDEF"), "malformed checksums"),
+        (_chunk_edit("block_rows", 2), "malformed checksums"),
+    ],
+    ids=[
+        "unlisted-file", "short-offsets", "long-shape", "offset-overflowing-int64",
+        "outside", "byte-range-length", "past-the-file", "missing-checksum",
+        "upper-case-hex", "block-rows",
+    ],
+)  # fmt: skip
+def test_a_bad_chunk_among_many_is_named_as_among_few(entry, edit, why):
+    """One chunk of MANY (checked on arrays) broken as tests of one chunk break it."""
+    doc = json.loads(_many_chunk_index())
+    edit(doc["tensors"][entry]["chunks"][MANY - 3])
+    with pytest.raises(CorruptCheckpointError, match=f"^index.json: .*{why}"):
+        parse_index(json.dumps(doc).encode(), "index.json")
+
+
+@pytest.mark.parametrize("entry", ["rows", "columns", "grid"])
+def test_two_of_many_chunks_that_overlap_are_refused(entry):
+    doc = json.loads(_many_chunk_index())
+    chunks = doc["tensors"][entry]["chunks"]
+    chunks[MANY - 3] = dict(chunks[5], file=chunks[MANY - 3]["file"])  # one box twice
+    with pytest.raises(CorruptCheckpointError, match="overlap"):
+        parse_index(json.dumps(doc).encode(), "index.json")
+    chunks.pop()  # and one box missing
+    with pytest.raises(CorruptCheckpointError, match="do not cover"):
+        parse_index(json.dumps(doc).encode(), "index.json")

@@ -43,6 +43,7 @@ V2_HUGE_MESH = (
     "test_an_index_claiming_a_mesh_of_2_to_the_62_ranks_is_a_typed_error_in_bounded_time"
 )
 INCREMENTAL = "tests/test_incremental.py::"
+MANY_CHUNKS = "tests/test_hostile_input.py::"
 MUTATIONS = [
     Mutation(
         "marker before index",
@@ -103,6 +104,38 @@ MUTATIONS = [
             "test_any_value_anywhere_in_the_index_gives_a_typed_error_or_a_consistent_index",
             "tests/test_integrity.py",
         ),
+    ),
+    Mutation(
+        "many chunks not checked",
+        "hostile input gives typed errors only",
+        "src/shardpoint/format/index.py",
+        "    sizes = [files.get(c.file) for c in chunks]\n",
+        "    return True\n",
+        (MANY_CHUNKS + "test_a_bad_chunk_among_many_is_named_as_among_few",),
+    ),
+    Mutation(
+        "many chunks past their file",
+        "hostile input gives typed errors only",
+        "src/shardpoint/format/index.py",
+        "    if not ((end - begin == size.prod(axis=1) * item) & (end <= np.array(sizes))).all():",
+        "    if not (end - begin == size.prod(axis=1) * item).all():",
+        (MANY_CHUNKS + "test_a_bad_chunk_among_many_is_named_as_among_few",),
+    ),
+    Mutation(
+        "many chunks' overlap not sorted out",
+        "index checks stay linear",
+        "src/shardpoint/format/index.py",
+        "        return bool((hi[order[:-1], 0] <= lo[order[1:], 0]).all())",
+        "        return True",
+        (MANY_CHUNKS + "test_two_of_many_chunks_that_overlap_are_refused",),
+    ),
+    Mutation(
+        "a grid of many chunks not matched",
+        "index checks stay linear",
+        "src/shardpoint/format/index.py",
+        "        return len(np.unique(np.stack(cells, axis=1), axis=0)) == len(lo)",
+        "        return True",
+        (MANY_CHUNKS + "test_two_of_many_chunks_that_overlap_are_refused",),
     ),
     Mutation(
         "no retries",

@@ -17,9 +17,11 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 import xxhash
 
 from .. import tree as tree_codec
@@ -704,7 +706,10 @@ def _check_chunks(
     """
     n = len(shape)
     item = DTYPES[dtype].itemsize
-    for c in chunks:
+    one_by_one = chunks  # unless arrays show all fit (the loop names the first that does not)
+    if len(chunks) >= _ARRAY_CHUNKS and n and _chunks_fit(chunks, shape, item, files):
+        one_by_one = ()
+    for c in one_by_one:
         size = files.get(c.file)  # names in `files` were checked already
         if size is None:
             raise _corrupt(where, f"entry {name!r} names file {c.file!r:.200} not listed in files")
@@ -738,6 +743,32 @@ def _check_chunks(
         raise _bad_checksums(name, bad.checksums, bad.block_rows, where)
 
 
+def _chunks_fit(
+    chunks: tuple[Chunk, ...], shape: tuple[int, ...], item: int, files: dict[str, int]
+) -> bool:
+    """Whether every chunk passes ``_check_chunks``' loop, checked on arrays (one per
+    field) instead of chunk by chunk; False sends the caller to the loop for the error."""
+    sizes = [files.get(c.file) for c in chunks]
+    offsets, shapes = [c.offsets for c in chunks], [c.shape for c in chunks]
+    n = len(shape)
+    if None in sizes or set(map(len, offsets)) != {n} or set(map(len, shapes)) != {n}:
+        return False
+    count, dims = len(chunks), np.array(shape, np.int64)
+    lo = np.fromiter(chain.from_iterable(offsets), np.int64, count * n).reshape(count, n)
+    size = np.fromiter(chain.from_iterable(shapes), np.int64, count * n).reshape(count, n)
+    if not (size <= dims - lo).all():  # lo + size would overflow int64 for hostile values
+        return False
+    span = np.fromiter(chain.from_iterable([c.byte_range for c in chunks]), np.int64, count * 2)
+    begin, end = span[0::2], span[1::2]
+    # Inside the tensor, a chunk's volume is at most the tensor's: no product overflows.
+    if not ((end - begin == size.prod(axis=1) * item) & (end <= np.array(sizes))).all():
+        return False
+    blocks = np.fromiter(map(len, [c.checksums for c in chunks]), np.int64, count)
+    block_rows = np.fromiter([c.block_rows for c in chunks], np.int64, count)
+    need = np.maximum(1, -(-size[:, 0] // block_rows))
+    return bool((blocks == need).all())
+
+
 def _bad_checksums(name: str, digests: Any, block_rows: Any, where: str) -> CorruptCheckpointError:
     return _corrupt(
         where,
@@ -755,18 +786,64 @@ def _check_cover(name: str, shape: tuple[int, ...], chunks: tuple[Chunk, ...], w
     grid (DTensor shardings, row pieces of them) is matched cell by cell; two split
     dimensions of any shape are a sweep over the first with the second's intervals
     kept sorted. Only three or more irregularly split dimensions fall back to
-    comparing the chunks that are open at the same time in the sweep.
+    comparing the chunks that are open at the same time in the sweep. Many chunks
+    are sorted and matched as arrays (one per field, not one object per chunk).
     """
     if len(chunks) == 1 and chunks[0].shape == shape:
         return  # the whole tensor (its offsets are 0: chunks are checked to lie inside)
-    if sum(math.prod(c.shape) for c in chunks) != math.prod(shape):
+    if sum(map(math.prod, [c.shape for c in chunks])) != math.prod(shape):
         raise _corrupt(where, f"the chunks of {name!r} do not cover its shape {list(shape)}")
-    boxes = [(c.offsets, c.shape) for c in chunks if math.prod(c.shape)]
-    if len(boxes) < 2:
-        return
-    split = [d for d, size in enumerate(shape) if any(o[d] != 0 or s[d] != size for o, s in boxes)]
-    if not split or not _disjoint([[(o[d], o[d] + s[d]) for d in split] for o, s in boxes]):
+    if len(chunks) >= _ARRAY_CHUNKS and shape:
+        disjoint = _disjoint_arrays(chunks, shape)
+    else:
+        boxes = [(c.offsets, c.shape) for c in chunks if math.prod(c.shape)]
+        if len(boxes) < 2:
+            return
+        split = [
+            d for d, size in enumerate(shape) if any(o[d] != 0 or s[d] != size for o, s in boxes)
+        ]
+        disjoint = bool(split) and _disjoint(
+            [[(o[d], o[d] + s[d]) for d in split] for o, s in boxes]
+        )
+    if not disjoint:
         raise _corrupt(where, f"two chunks of {name!r} overlap")
+
+
+# From this many chunks a tensor's tiling is checked on arrays: building them costs
+# more than it saves for a few chunks.
+_ARRAY_CHUNKS = 32
+
+
+def _disjoint_arrays(chunks: tuple[Chunk, ...], shape: tuple[int, ...]) -> bool:
+    """``_disjoint`` of the non-empty chunks, on arrays of their offsets and shapes.
+    Chunks lie inside the tensor (checked before), so no sum overflows int64."""
+    n, dims = len(chunks), len(shape)
+    lo = np.fromiter(chain.from_iterable([c.offsets for c in chunks]), np.int64, n * dims)
+    size = np.fromiter(chain.from_iterable([c.shape for c in chunks]), np.int64, n * dims)
+    lo, size = lo.reshape(n, dims), size.reshape(n, dims)
+    filled = size.all(axis=1)
+    if not filled.all():
+        lo, size = lo[filled], size[filled]
+    if len(lo) < 2:
+        return True
+    hi = lo + size
+    split = np.flatnonzero(((lo != 0) | (hi != np.array(shape, np.int64))).any(axis=0))
+    if not len(split):
+        return False  # two chunks, each the whole tensor
+    lo, hi = lo[:, split], hi[:, split]
+    if len(split) == 1:
+        order = np.argsort(lo[:, 0])
+        return bool((hi[order[:-1], 0] <= lo[order[1:], 0]).all())
+    cells = []  # the grid drawn by every chunk's edges, as _grid_cells_distinct
+    for d in range(len(split)):
+        edges = np.unique(np.concatenate([lo[:, d], hi[:, d]]))
+        first = np.searchsorted(edges, lo[:, d])
+        if not (np.searchsorted(edges, hi[:, d]) == first + 1).all():
+            break  # spans several cells: not a grid
+        cells.append(first)
+    else:
+        return len(np.unique(np.stack(cells, axis=1), axis=0)) == len(lo)
+    return _sweep_disjoint([list(zip(a, b)) for a, b in zip(lo.tolist(), hi.tolist())])
 
 
 Box = list[tuple[int, int]]  # [lo, hi) per dimension
