@@ -41,7 +41,7 @@ def _random_tiling(rng: random.Random, shape: list[int], pieces: int):
 @given(
     seed=st.integers(0, 2**32 - 1),
     dims=st.integers(1, 4),
-    pieces=st.integers(2, 40),
+    pieces=st.integers(2, 80),
     perturb=st.booleans(),
 )
 def test_the_overlap_check_agrees_with_comparing_every_pair(seed, dims, pieces, perturb):
@@ -60,7 +60,10 @@ def test_the_overlap_check_agrees_with_comparing_every_pair(seed, dims, pieces, 
             boxes[i] = list(boxes[(i + 1) % len(boxes)])  # a duplicate
     if len(boxes) < 2:
         return
-    assert index_format._disjoint(boxes) == _pairwise_disjoint(boxes)
+    expected = _pairwise_disjoint(boxes)
+    assert index_format._disjoint(boxes) == expected
+    arrays = index_format._boxes(_chunks(boxes), dims)  # as the parser checks many chunks
+    assert index_format._disjoint_arrays(arrays, tuple(shape)) == expected
 
 
 def _chunks(boxes):
@@ -87,9 +90,13 @@ def _chunks(boxes):
     ],
     ids=["rows", "columns", "grid"],
 )
-def test_a_tensor_of_many_chunks_is_checked_without_comparing_them_pairwise(make, monkeypatch):
+@pytest.mark.parametrize("as_arrays", [False, True], ids=["one-by-one", "arrays"])
+def test_a_tensor_of_many_chunks_is_checked_without_comparing_them_pairwise(
+    make, as_arrays, monkeypatch
+):
     """20,000 chunks: the pairwise loop would make 2*10**8 comparisons. Count the work
-    instead of timing it: the box-by-box fallback must not run for these shapes."""
+    instead of timing it: the box-by-box fallback must not run for these shapes (as the
+    parser checks them: on arrays; and one by one)."""
     n = 20_000
     boxes = make(n)
     shape = tuple(max(b[d][1] for b in boxes) for d in range(2))
@@ -101,11 +108,16 @@ def test_a_tensor_of_many_chunks_is_checked_without_comparing_them_pairwise(make
     calls = []
     real = index_format._sweep_disjoint
     monkeypatch.setattr(index_format, "_sweep_disjoint", lambda b: calls.append(len(b)) or real(b))
-    index_format._check_cover("t", shape, chunks, "index.json")
+
+    def check(chunks):
+        boxes = index_format._boxes(chunks, 2) if as_arrays else None
+        index_format._check_cover("t", shape, chunks, "index.json", boxes)
+
+    check(chunks)
     assert calls == []  # a sort (one split dimension) or the grid check decided it
     clash = chunks[:-1] + (chunks[0],)  # one chunk twice, the last one missing
     with pytest.raises(index_format.CorruptCheckpointError, match="overlap"):
-        index_format._check_cover("t", shape, clash, "index.json")
+        check(clash)
 
 
 def test_an_irregular_two_dimensional_tiling_is_swept_not_compared_pairwise(monkeypatch):

@@ -97,7 +97,7 @@ MUTATIONS = [
         "chunk tiling not checked",
         "hostile input gives typed errors only",
         "src/shardpoint/format/index.py",
-        "        _check_cover(name, shape, chunks, where)\n",
+        "        _check_cover(name, shape, chunks, where, boxes)\n",
         "",
         (
             "tests/test_hostile_input.py::"
@@ -109,7 +109,7 @@ MUTATIONS = [
         "many chunks not checked",
         "hostile input gives typed errors only",
         "src/shardpoint/format/index.py",
-        "    sizes = [files.get(c.file) for c in chunks]\n",
+        "    sizes = list(map(files.get, [c.file for c in chunks]))\n",
         "    return True\n",
         (MANY_CHUNKS + "test_a_bad_chunk_among_many_is_named_as_among_few",),
     ),

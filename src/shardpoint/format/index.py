@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -511,8 +511,9 @@ def _parse_fields(doc: _IndexDoc, where: str) -> Index:
         if spec.chunks is unset:
             raise _corrupt(where, f"entry {name!r} has neither chunks nor a sharding")
         chunks = spec.chunks
-        _check_chunks(chunks, name, dtype, shape, files, where)
-        _check_cover(name, shape, chunks, where)
+        boxes = _boxes(chunks, len(shape)) if len(chunks) >= _ARRAY_CHUNKS and shape else None
+        _check_chunks(chunks, name, dtype, shape, files, where, boxes)
+        _check_cover(name, shape, chunks, where, boxes)
         entries[name] = TensorEntry(name, dtype, shape, chunks)
     for name, target in aliases.items():
         if target not in entries:
@@ -696,9 +697,11 @@ def _check_chunks(
     shape: tuple[int, ...],
     files: dict[str, int],
     where: str,
+    boxes: _Boxes | None = None,
 ) -> None:
     """Each chunk of entry ``name`` lies inside its tensor and inside a listed file,
     its byte range fits its shape, and it has one checksum per block of rows.
+    ``boxes``, the chunks' offsets and shapes as arrays, if the tensor has many.
 
     This runs for every chunk of every tensor (100,000 chunks may make one tensor):
     each check is written out, with no helper call on the path of a valid chunk.
@@ -707,7 +710,7 @@ def _check_chunks(
     n = len(shape)
     item = DTYPES[dtype].itemsize
     one_by_one = chunks  # unless arrays show all fit (the loop names the first that does not)
-    if len(chunks) >= _ARRAY_CHUNKS and n and _chunks_fit(chunks, shape, item, files):
+    if boxes is not None and _chunks_fit(chunks, boxes, shape, item, files):
         one_by_one = ()
     for c in one_by_one:
         size = files.get(c.file)  # names in `files` were checked already
@@ -743,21 +746,45 @@ def _check_chunks(
         raise _bad_checksums(name, bad.checksums, bad.block_rows, where)
 
 
+class _Boxes(NamedTuple):
+    """The offsets and shapes of a tensor's many chunks, one row per chunk."""
+
+    lo: np.ndarray
+    size: np.ndarray
+
+
+# From this many chunks a tensor's chunks are checked on arrays: building them costs
+# more than it saves for a few chunks.
+_ARRAY_CHUNKS = 32
+
+
+def _boxes(chunks: tuple[Chunk, ...], n: int) -> _Boxes | None:
+    """The chunks' boxes as arrays; None if one has not ``n`` offsets and ``n`` sizes."""
+    offsets, shapes = [c.offsets for c in chunks], [c.shape for c in chunks]
+    if set(map(len, offsets)) != {n} or set(map(len, shapes)) != {n}:
+        return None
+    count = len(chunks)
+    lo = np.fromiter(chain.from_iterable(offsets), np.int64, count * n)
+    size = np.fromiter(chain.from_iterable(shapes), np.int64, count * n)
+    return _Boxes(lo.reshape(count, n), size.reshape(count, n))
+
+
 def _chunks_fit(
-    chunks: tuple[Chunk, ...], shape: tuple[int, ...], item: int, files: dict[str, int]
+    chunks: tuple[Chunk, ...],
+    boxes: _Boxes,
+    shape: tuple[int, ...],
+    item: int,
+    files: dict[str, int],
 ) -> bool:
     """Whether every chunk passes ``_check_chunks``' loop, checked on arrays (one per
     field) instead of chunk by chunk; False sends the caller to the loop for the error."""
-    sizes = [files.get(c.file) for c in chunks]
-    offsets, shapes = [c.offsets for c in chunks], [c.shape for c in chunks]
-    n = len(shape)
-    if None in sizes or set(map(len, offsets)) != {n} or set(map(len, shapes)) != {n}:
+    sizes = list(map(files.get, [c.file for c in chunks]))
+    if None in sizes:
         return False
-    count, dims = len(chunks), np.array(shape, np.int64)
-    lo = np.fromiter(chain.from_iterable(offsets), np.int64, count * n).reshape(count, n)
-    size = np.fromiter(chain.from_iterable(shapes), np.int64, count * n).reshape(count, n)
-    if not (size <= dims - lo).all():  # lo + size would overflow int64 for hostile values
+    lo, size = boxes
+    if not (size <= np.array(shape, np.int64) - lo).all():  # lo + size may overflow int64
         return False
+    count = len(chunks)
     span = np.fromiter(chain.from_iterable([c.byte_range for c in chunks]), np.int64, count * 2)
     begin, end = span[0::2], span[1::2]
     # Inside the tensor, a chunk's volume is at most the tensor's: no product overflows.
@@ -777,7 +804,13 @@ def _bad_checksums(name: str, digests: Any, block_rows: Any, where: str) -> Corr
     )
 
 
-def _check_cover(name: str, shape: tuple[int, ...], chunks: tuple[Chunk, ...], where: str) -> None:
+def _check_cover(
+    name: str,
+    shape: tuple[int, ...],
+    chunks: tuple[Chunk, ...],
+    where: str,
+    boxes: _Boxes | None = None,
+) -> None:
     """The chunks must tile the tensor exactly: volumes add up and no two overlap.
 
     With the volumes equal to the tensor's, "no overlap" is all that is left, checked
@@ -787,40 +820,35 @@ def _check_cover(name: str, shape: tuple[int, ...], chunks: tuple[Chunk, ...], w
     dimensions of any shape are a sweep over the first with the second's intervals
     kept sorted. Only three or more irregularly split dimensions fall back to
     comparing the chunks that are open at the same time in the sweep. Many chunks
-    are sorted and matched as arrays (one per field, not one object per chunk).
+    (``boxes``: checked to lie inside the tensor) are sorted and matched as arrays.
     """
     if len(chunks) == 1 and chunks[0].shape == shape:
         return  # the whole tensor (its offsets are 0: chunks are checked to lie inside)
-    if sum(map(math.prod, [c.shape for c in chunks])) != math.prod(shape):
-        raise _corrupt(where, f"the chunks of {name!r} do not cover its shape {list(shape)}")
-    if len(chunks) >= _ARRAY_CHUNKS and shape:
-        disjoint = _disjoint_arrays(chunks, shape)
+    if boxes is not None:
+        volume = sum(boxes.size.prod(axis=1).tolist())  # each fits int64; their sum may not
     else:
-        boxes = [(c.offsets, c.shape) for c in chunks if math.prod(c.shape)]
-        if len(boxes) < 2:
+        volume = sum(map(math.prod, [c.shape for c in chunks]))
+    if volume != math.prod(shape):
+        raise _corrupt(where, f"the chunks of {name!r} do not cover its shape {list(shape)}")
+    if boxes is not None:
+        disjoint = _disjoint_arrays(boxes, shape)
+    else:
+        pieces = [(c.offsets, c.shape) for c in chunks if math.prod(c.shape)]
+        if len(pieces) < 2:
             return
         split = [
-            d for d, size in enumerate(shape) if any(o[d] != 0 or s[d] != size for o, s in boxes)
+            d for d, size in enumerate(shape) if any(o[d] != 0 or s[d] != size for o, s in pieces)
         ]
         disjoint = bool(split) and _disjoint(
-            [[(o[d], o[d] + s[d]) for d in split] for o, s in boxes]
+            [[(o[d], o[d] + s[d]) for d in split] for o, s in pieces]
         )
     if not disjoint:
         raise _corrupt(where, f"two chunks of {name!r} overlap")
 
 
-# From this many chunks a tensor's tiling is checked on arrays: building them costs
-# more than it saves for a few chunks.
-_ARRAY_CHUNKS = 32
-
-
-def _disjoint_arrays(chunks: tuple[Chunk, ...], shape: tuple[int, ...]) -> bool:
-    """``_disjoint`` of the non-empty chunks, on arrays of their offsets and shapes.
-    Chunks lie inside the tensor (checked before), so no sum overflows int64."""
-    n, dims = len(chunks), len(shape)
-    lo = np.fromiter(chain.from_iterable([c.offsets for c in chunks]), np.int64, n * dims)
-    size = np.fromiter(chain.from_iterable([c.shape for c in chunks]), np.int64, n * dims)
-    lo, size = lo.reshape(n, dims), size.reshape(n, dims)
+def _disjoint_arrays(boxes: _Boxes, shape: tuple[int, ...]) -> bool:
+    """``_disjoint`` of the boxes that are not empty, on arrays."""
+    lo, size = boxes
     filled = size.all(axis=1)
     if not filled.all():
         lo, size = lo[filled], size[filled]
