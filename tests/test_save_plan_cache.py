@@ -229,3 +229,35 @@ def test_a_sharded_tensor_that_changes_shape_on_every_rank_is_saved_with_a_new_p
         assert shardpoint.verify(tmp_path / f"step{step}").ok
         with shardpoint.open(tmp_path / f"step{step}") as ckpt:
             assert torch.equal(ckpt.get("w"), expected)
+
+
+def _restarted_saves(rank: int, world: int, root: str, port: int, replaced: bool) -> None:
+    import torch.distributed as torch_dist
+
+    from shardpoint import saving
+
+    for step in range(2):  # the plan is cached on every rank
+        shardpoint.save(_state(rank, step, 2), f"{root}/step{step}")
+    torch_dist.destroy_process_group()
+    if replaced and rank == 1:  # a new process in its place: nothing of shardpoint's cached
+        saving._PLANS.clear()
+        sp_dist._WORLD = sp_dist._CPU_GROUP = sp_dist._BACKGROUND_GROUP = None
+    torch_dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    for step in (2, 3):  # rank 1's own tensor has a new shape: a stale plan would lose it
+        shardpoint.save(_state(rank, step, 5 if rank == 1 else 2), f"{root}/step{step}")
+
+
+@pytest.mark.parametrize("replaced", [False, True], ids=["same-processes", "rank-1-replaced"])
+def test_a_process_group_initialized_again_in_the_same_processes_saves_with_a_new_plan(
+    tmp_path, replaced
+):
+    """An in-process restart: every rank re-initializes torch.distributed, and with
+    ``replaced`` rank 1 stands for a new process (nothing cached). Every rank drops
+    what it cached for the old group, so all take the agreed path together."""
+    from distributed import _free_port
+
+    run_ranks(2, _restarted_saves, str(tmp_path), _free_port(), replaced)
+    for step, rows in ((1, 2), (2, 5), (3, 5)):
+        _check_values(str(tmp_path), step, rows)

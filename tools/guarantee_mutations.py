@@ -44,6 +44,10 @@ V2_HUGE_MESH = (
 )
 INCREMENTAL = "tests/test_incremental.py::"
 MANY_CHUNKS = "tests/test_hostile_input.py::"
+RESTART = (
+    "tests/test_save_plan_cache.py::"
+    "test_a_process_group_initialized_again_in_the_same_processes_saves_with_a_new_plan["
+)
 MUTATIONS = [
     Mutation(
         "marker before index",
@@ -319,6 +323,22 @@ MUTATIONS = [
             "tests/test_save_plan_cache.py::"
             "test_a_sharded_tensor_that_changes_shape_on_every_rank_is_saved_with_a_new_plan",
         ),
+    ),
+    Mutation(
+        "a new process group not followed",
+        "few collectives, never a stale plan",
+        "src/shardpoint/dist.py",
+        "    if world is not _WORLD:\n",
+        "    if _WORLD is None:\n",
+        (RESTART + "same-processes]",),
+    ),
+    Mutation(
+        "plans kept across process groups",
+        "few collectives, never a stale plan",
+        "src/shardpoint/saving.py",
+        "    generation = dist.generation()\n",
+        "    generation = 0\n",
+        (RESTART + "rank-1-replaced]",),
     ),
     Mutation(
         "speculative save not tried again",

@@ -21,6 +21,10 @@ import xxhash
 from .errors import CheckpointError
 
 _SOLO = threading.local()  # per thread: act as a job of one process
+# Groups made once per process group: followed by _follow_world, which drops them
+# when the job re-initializes torch.distributed in this process.
+_WORLD: Any = None  # the default group the ones below were made for (held: never reused)
+_GENERATION = 0
 _CPU_GROUP: Any = None
 _BACKGROUND_GROUP: Any = None
 
@@ -67,9 +71,29 @@ def node_rank() -> int:
     return int(os.environ.get("GROUP_RANK", 0)) if is_distributed() else 0
 
 
+def _follow_world() -> None:
+    """Forget the groups made for an earlier default group: a job that re-initializes
+    torch.distributed in this process (an in-process restart) has a new one."""
+    global _WORLD, _GENERATION, _CPU_GROUP, _BACKGROUND_GROUP
+    world = dist.group.WORLD
+    if world is not _WORLD:
+        _WORLD, _CPU_GROUP, _BACKGROUND_GROUP = world, None, None
+        _GENERATION += 1
+
+
+def generation() -> int:
+    """Which process group of this process's life the job runs in (0 in one process):
+    what was cached for an earlier one (save plans) must not be used in this one."""
+    if not is_distributed():
+        return 0
+    _follow_world()
+    return _GENERATION
+
+
 def _cpu_group() -> Any:
     """The default group when it runs on the CPU (gloo), else a gloo group made once."""
     global _CPU_GROUP
+    _follow_world()
     if _CPU_GROUP is None:
         _CPU_GROUP = (
             dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
@@ -88,7 +112,10 @@ def background_group() -> Any:
     calls this at the same point). Collectives of a save running on a background thread
     must not interleave with the training loop's collectives on the default group."""
     global _BACKGROUND_GROUP
-    if _BACKGROUND_GROUP is None and is_distributed():
+    if not is_distributed():
+        return None
+    _follow_world()
+    if _BACKGROUND_GROUP is None:
         _BACKGROUND_GROUP = dist.new_group(backend="gloo")
     return _BACKGROUND_GROUP
 

@@ -367,9 +367,14 @@ def plan_save(
     """
     me = dist.rank()
     commits = me == 0 or (options.per_node and dist.is_node_leader())
-    cache_key = (id(group), options.per_node, dist.world_size())
+    generation = dist.generation()
+    cache_key = (generation, id(group), options.per_node, dist.world_size())
     # Every rank caches, keeps and drops its plan on the same verdicts: whether one is
-    # cached is the same on every rank, so all take the same path without asking.
+    # cached is the same on every rank, so all take the same path without asking. A
+    # re-initialized process group (an in-process restart, which may bring a new
+    # process with nothing cached) starts without plans on every rank.
+    for stale in [k for k in _PLANS if k[0] != generation]:
+        del _PLANS[stale]
     cached = _PLANS.get(cache_key) if dist.is_distributed() else None
     speculative = cached is not None and not staged
     # A rank that fails before the collective still joins it, with its error, so that
