@@ -254,10 +254,10 @@ def _many_chunk_index() -> bytes:
         ),
     }
     entries = {}
-    for name, (shape, boxes) in layouts.items():
+    for i, (name, (shape, boxes)) in enumerate(layouts.items()):
+        begin = 512 + 1000 * i  # each entry's chunks at their own place in the rank files
         chunks = []
         for r, (offsets, cshape) in enumerate(boxes):
-            begin = 512 + 1000 * list(layouts).index(name)
             chunks.append(
                 Chunk(
                     f"rank{r:05d}-00000.safetensors",
