@@ -4,6 +4,7 @@ change on any rank is caught before a byte is written with a stale plan."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,3 +262,158 @@ def test_a_process_group_initialized_again_in_the_same_processes_saves_with_a_ne
     run_ranks(2, _restarted_saves, str(tmp_path), _free_port(), replaced)
     for step, rows in ((1, 2), (2, 5), (3, 5)):
         _check_values(str(tmp_path), step, rows)
+
+
+# ---- background saves (AsyncSaver): the same plans, speculated from staged copies --------
+
+
+def _bump(state: dict) -> None:
+    """What training does once a background save returned: change every tensor in place."""
+    for t in [*state["shared"].values(), *state["own"].values()]:
+        t.add_(1000)
+
+
+def _background_saves(rank: int, world: int, root: str) -> None:
+    log: list[tuple[str, int]] = []
+    _count_collectives(log)
+    saver = shardpoint.AsyncSaver()
+    per_save = []
+    for step in range(4):
+        rows = 5 if rank == 1 and step >= 2 else 2  # rank 1 alone changes, at step 2
+        before = len(log)
+        state = _state(rank, step, rows)
+        handle = saver.save(state, f"{root}/step{step}")
+        _bump(state)  # the save must hold the values at the call, on every rank
+        handle.wait()
+        per_save.append([kind for kind, _ in log[before:]])
+    saver.close()
+    if rank == 0:
+        with open(f"{root}/collectives.json", "w") as f:
+            json.dump(per_save, f)
+
+
+def test_an_unchanged_background_save_has_one_collective_and_a_change_is_saved_from_copies(
+    tmp_path,
+):
+    """A background save speculates like a synchronous one: with its structure unchanged
+    its only collective is the commit's gather and outcome. When rank 1's structure
+    changes, it copies all it holds before the caller moves on; the commit's *again*
+    keeps what rank 0 wrote, and rank 1 writes its part of a plan made around it, from
+    its copy: the checkpoint holds the state at the call, not the bumped one."""
+    run_ranks(2, _background_saves, str(tmp_path))
+    kinds = json.loads((tmp_path / "collectives.json").read_text())
+    first = ["gather_distinct_json", "scatter_plan", "gather_json", "broadcast_json"]
+    assert kinds[0] == first
+    assert kinds[1] == ["gather_json", "broadcast_json"]
+    assert kinds[2] == ["gather_json", "broadcast_json", *first]
+    assert kinds[3] == kinds[1]
+    for step in range(4):
+        _check_values(str(tmp_path), step, 5 if step >= 2 else 2)
+        assert shardpoint.verify(tmp_path / f"step{step}").ok
+
+
+def _grown_state(rank: int, step: int) -> dict:
+    """From step 2 on every rank: one replicated tensor has a new shape and a new one
+    appears (as an optimizer's moments do after its first step)."""
+    state = _state(rank, step, 2)
+    if step >= 2:
+        torch.manual_seed(100 + step)
+        state["shared"]["layer3"] = torch.randn(80, 8)
+        state["shared"]["moment"] = torch.randn(40, 8)
+    return state
+
+
+def _grown_background_saves(rank: int, world: int, root: str) -> None:
+    saver = shardpoint.AsyncSaver()
+    for step in range(4):
+        state = _grown_state(rank, step)
+        handle = saver.save(state, f"{root}/step{step}")
+        _bump(state)
+        handle.wait()
+    saver.close()
+
+
+def test_a_background_save_in_which_every_rank_changed_is_planned_again_from_copies(tmp_path):
+    """No rank is steady: the cached pieces of the reshaped tensor are dropped (no rank
+    holds that chunk any more), the rest stay with their writers, and the new tensor
+    is planned among the ranks, all from their copies."""
+    run_ranks(2, _grown_background_saves, str(tmp_path))
+    for step in range(4):
+        expected = _grown_state(0, step)
+        assert shardpoint.verify(tmp_path / f"step{step}").ok
+        with shardpoint.open(tmp_path / f"step{step}") as ckpt:
+            names = {n for n in ckpt.keys() if n.startswith("shared.")}
+            assert names == {f"shared.{n}" for n in expected["shared"]}
+            for name, tensor in expected["shared"].items():
+                assert torch.equal(ckpt.get(f"shared.{name}"), tensor), (step, name)
+            assert torch.equal(ckpt.get("own.1"), torch.full((2, 3), 10.0 + step))
+
+
+def _written_by(directory: str, rank: int) -> list[str]:
+    """The tensors whose chunks ``rank`` wrote into ``directory``'s checkpoint."""
+    with open(f"{directory}/index.json") as f:
+        index = json.load(f)
+    prefix = f"rank{rank:05d}-"
+    return sorted(
+        name
+        for name, entry in index["tensors"].items()
+        if all(c["file"].startswith(prefix) for c in entry["chunks"])
+    )
+
+
+def _dropping_background_saves(rank: int, world: int, root: str) -> None:
+    saver = shardpoint.AsyncSaver()
+    saver.save(_state(rank, 0, 2), f"{root}/step0").wait()
+    # A replicated tensor the plan gave rank 1 to write, which rank 1 then drops while
+    # rank 0 keeps it: rank 0 staged only its own share, so nobody has a copy of it.
+    dropped = next(n for n in _written_by(f"{root}/step0", 1) if n.startswith("shared."))
+    state = _state(rank, 1, 2)
+    if rank == 1:
+        del state["shared"][dropped.removeprefix("shared.")]
+    handle = saver.save(state, f"{root}/step1")
+    with pytest.raises(
+        shardpoint.CheckpointError, match="cannot be completed from what was staged"
+    ):
+        handle.wait()
+    assert not (Path(root) / "step1").exists() or not any((Path(root) / "step1").iterdir())
+    # The next save agrees first, and commits.
+    saver.save(_state(rank, 2, 2), f"{root}/step2").wait()
+    saver.close()
+
+
+def test_a_background_save_that_cannot_be_completed_from_its_copies_fails_cleanly(tmp_path):
+    """The one case a structure change costs a background checkpoint: a replicated
+    chunk whose cached writer no longer holds it, held only by ranks that staged their
+    own share. Every rank's handle says so, nothing of it is left, the checkpoint
+    before it is untouched and the next save commits."""
+    run_ranks(2, _dropping_background_saves, str(tmp_path))
+    assert shardpoint.verify(tmp_path / "step0").ok
+    _check_values(str(tmp_path), 0, 2)
+    _check_values(str(tmp_path), 2, 2)
+
+
+def _failing_background_saves(rank: int, world: int, root: str) -> None:
+    saver = shardpoint.AsyncSaver()
+    saver.save(_state(rank, 0, 2), f"{root}/step0").wait()
+    state = _state(rank, 1, 2)
+    if rank == 1:  # a value rank 1 cannot save: it fails before staging, the plan cached
+        state["own"]["1"] = state["own"]["1"].to_sparse()
+    handle = saver.save(state, f"{root}/step1")
+    error = handle.exception()
+    assert isinstance(error, shardpoint.CheckpointError), error
+    assert "rank 1" in str(error) and "layout" in str(error), error
+    assert not (Path(root) / "step1" / "index.json").exists()
+    saver.save(_state(rank, 2, 2), f"{root}/step2").wait()
+    saver.close()
+
+
+def test_a_rank_that_fails_before_staging_a_speculative_background_save_fails_it_everywhere(
+    tmp_path,
+):
+    """No collective precedes a steady background save's staging: a rank that cannot
+    save still joins the commit with its error, so both handles raise it, rank 0 commits
+    nothing, and the next save agrees first and commits."""
+    run_ranks(2, _failing_background_saves, str(tmp_path))
+    assert shardpoint.verify(tmp_path / "step0").ok
+    assert not (tmp_path / "step1" / "index.json").exists()
+    _check_values(str(tmp_path), 2, 2)

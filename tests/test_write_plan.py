@@ -97,3 +97,117 @@ def test_ddp_chunks_spread_evenly_over_every_rank():
     assert sum(load) == total
     assert max(load) <= total / 4096 + max(h.nbytes for h in chunks)
     assert _summary(pieces) == _scan_every_holder([0] * 4096, replicated, 4 * 1024 * 1024)
+
+
+# ---- a background save that must run again: planned around what its steady ranks wrote --
+
+
+def _changed_lists(rng: random.Random, old: list[Holding], names: list[str]) -> list[Holding]:
+    """A changed rank's replicated chunks: some dropped, some reshaped, some added."""
+    held = []
+    for h in old:
+        roll = rng.random()
+        if roll < 0.2:
+            continue  # dropped
+        if roll < 0.35:
+            rows = h.shape[0] + rng.randint(1, 5)
+            h = Holding(h.name, h.dtype, (rows, 4), (0, 0), (rows, 4), True)
+        held.append(h)
+    for name in rng.sample(names, rng.randint(0, 2)):
+        held.append(Holding(name, "F32", (7, 4), (0, 0), (7, 4), True))
+    return held
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_a_background_again_covers_every_held_chunk_once_around_the_steady_ranks(seed):
+    """Random jobs (shared and per-rank lists, large chunks split among holders,
+    per-node copies) whose plan was cached, then some ranks change (drop, reshape, add
+    chunks): either the planner refuses, exactly when a cached piece's writer changed
+    and no longer holds its chunk while ranks of its node that staged only their own
+    share do, or every chunk still held is covered exactly once (per node in per-node
+    mode) by ranks that hold it, each steady rank writing exactly its cached pieces."""
+    from shardpoint.errors import CheckpointError
+    from shardpoint.saving import _plan_writes, _writes_around_staged
+
+    rng = random.Random(seed)
+    world = rng.randint(2, 6)
+    per_node = rng.random() < 0.4
+    nodes = sorted(rng.randint(0, 1) for _ in range(world)) if per_node else [0] * world
+    big = 2_000_000 if rng.random() < 0.5 else 20  # rows of 16 B: 32 MB chunks split
+    common = [_holding(i, big if i == 0 else rng.randint(1, 40)) for i in range(6)]
+    old = [common if rng.random() < 0.6 else rng.sample(common, 4) for _ in range(world)]
+    sole = [rng.randint(0, 1000) for _ in range(world)]
+    cached = _plan_writes(sole, old, nodes, per_node)
+    kept = [
+        [
+            [p.name, p.offsets, p.shape, p.source.offsets, p.source.shape]
+            for p in cached
+            if p.writer == r
+        ]
+        for r in range(world)
+    ]
+    steady = [rng.random() < 0.5 for _ in range(world)]
+    if all(steady):
+        steady[rng.randrange(world)] = False
+    changed_list = _changed_lists(rng, common, ["n0", "n1", "n2"])  # shared by some
+    new = [
+        old[r]
+        if steady[r]
+        else (
+            changed_list if rng.random() < 0.5 else _changed_lists(rng, old[r], ["n0", "n1", "n2"])
+        )
+        for r in range(world)
+    ]
+
+    def key(h):
+        return (h.name, h.offsets, h.shape)
+
+    def holds(r, k):
+        return any(key(h) == k for h in new[r])
+
+    def groups():  # per node (or the job): its ranks
+        return [[r for r in range(world) if nodes[r] == n] for n in sorted(set(nodes))]
+
+    expect_refusal = any(
+        not steady[p.writer]
+        and not holds(p.writer, key(p.source))
+        and not any(
+            holds(r, key(p.source)) and not steady[r]
+            for r in range(world)
+            if nodes[r] == nodes[p.writer]
+        )
+        and any(holds(r, key(p.source)) for r in range(world) if nodes[r] == nodes[p.writer])
+        for p in cached
+    )
+    try:
+        pieces = _writes_around_staged(steady, kept, sole, new, nodes, per_node)
+    except CheckpointError as exc:
+        assert expect_refusal, exc
+        assert "cannot be completed from what was staged" in str(exc)
+        return
+    assert not expect_refusal
+    for p in pieces:
+        assert holds(p.writer, key(p.source)), p
+    for r in range(world):
+        if steady[r]:
+            mine = sorted(
+                [p.name, p.offsets, p.shape, p.source.offsets, p.source.shape]
+                for p in pieces
+                if p.writer == r
+            )
+            assert mine == sorted(kept[r]), r
+    for ranks in groups():
+        held = {key(h): h for r in ranks for h in new[r]}
+        for k, h in held.items():
+            rows = sorted(
+                (p.offsets[0], p.shape[0], p.offsets[1:], p.shape[1:])
+                for p in pieces
+                if p.writer in ranks and key(p.source) == k
+            )
+            assert rows, (k, "not written")
+            start = 0
+            for offset, n, rest_offsets, rest_shape in rows:  # contiguous, disjoint, whole
+                assert (offset, rest_offsets, rest_shape) == (start, h.offsets[1:], h.shape[1:])
+                start += n
+            assert start == h.shape[0], (k, rows)
+        assert all(key(p.source) in held for p in pieces if p.writer in ranks)

@@ -48,6 +48,7 @@ RESTART = (
     "tests/test_save_plan_cache.py::"
     "test_a_process_group_initialized_again_in_the_same_processes_saves_with_a_new_plan["
 )
+BACKGROUND = "tests/test_save_plan_cache.py::"
 MUTATIONS = [
     Mutation(
         "marker before index",
@@ -306,8 +307,8 @@ MUTATIONS = [
         "replicated state once per job",
         "a node restores from its own disk alone",
         "src/shardpoint/saving.py",
-        "    if per_node:\n        # Every node writes its own copy",
-        "    if False:\n        # Every node writes its own copy",
+        "    if not per_node:\n        return plan_writes(load, replicated)\n",
+        "    if True:\n        return plan_writes(load, replicated)\n",
         (
             "tests/test_node_local_copies.py::"
             "test_each_node_holds_and_indexes_its_own_copy_and_restores_from_it_alone",
@@ -350,6 +351,94 @@ MUTATIONS = [
         (
             "tests/test_speculative_saves.py::"
             "test_an_unchanged_save_onto_a_crashed_saves_leftovers_commits_and_clears_them",
+        ),
+    ),
+    Mutation(
+        "background saves agree before staging",
+        "few collectives, never a stale plan",
+        "src/shardpoint/saving.py",
+        "    speculative = cached is not None\n",
+        "    speculative = cached is not None and not staged\n",
+        (
+            BACKGROUND + "test_an_unchanged_background_save_has_one_collective_and_a_change_is_"
+            "saved_from_copies",
+        ),
+    ),
+    Mutation(
+        "a changed rank stages no copy",
+        "a background save holds the state at the call",
+        "src/shardpoint/saving.py",
+        '            local = {name: t.to("cpu", copy=True) for name, t in local.items()}\n',
+        "            pass\n",
+        (
+            BACKGROUND + "test_an_unchanged_background_save_has_one_collective_and_a_change_is_"
+            "saved_from_copies",
+        ),
+    ),
+    Mutation(
+        "steady files removed on again",
+        "a background save holds the state at the call",
+        "src/shardpoint/saving.py",
+        "        if again and plan.staged:  # the steady ranks' files stay",
+        "        if again and plan.staged and False:  # the steady ranks' files stay",
+        (
+            BACKGROUND + "test_an_unchanged_background_save_has_one_collective_and_a_change_is_"
+            "saved_from_copies",
+        ),
+    ),
+    Mutation(
+        "a piece nobody staged dropped",
+        "a background save holds the state at the call",
+        "src/shardpoint/saving.py",
+        "            if any(key in c for c in held_by):\n",
+        "            if False:\n",
+        (
+            BACKGROUND + "test_a_background_save_that_cannot_be_completed_from_its_copies_fails_"
+            "cleanly",
+        ),
+    ),
+    Mutation(
+        "new chunks of a background again not planned",
+        "a background save holds the state at the call",
+        "src/shardpoint/saving.py",
+        "    return pieces + _plan_writes(load, lists, nodes, per_node)\n",
+        "    return pieces\n",
+        (
+            BACKGROUND + "test_a_background_save_in_which_every_rank_changed_is_planned_again_"
+            "from_copies",
+        ),
+    ),
+    Mutation(
+        "a background again's cover not per node",
+        "a background save holds the state at the call",
+        "src/shardpoint/saving.py",
+        "            cut.add((*key, nodes[rank] if per_node else None))\n",
+        "            cut.add((*key, None))\n",
+        (
+            "tests/test_write_plan.py::"
+            "test_a_background_again_covers_every_held_chunk_once_around_the_steady_ranks",
+        ),
+    ),
+    Mutation(
+        "a background again's orphan to another node",
+        "a background save holds the state at the call",
+        "src/shardpoint/saving.py",
+        " if not per_node or nodes[r] == node]\n",
+        "]\n",
+        (
+            "tests/test_write_plan.py::"
+            "test_a_background_again_covers_every_held_chunk_once_around_the_steady_ranks",
+        ),
+    ),
+    Mutation(
+        "a background failure tried again",
+        "a background save holds the state at the call",
+        "src/shardpoint/saving.py",
+        "        if outcome is not None and plan.speculative and (changed or not plan.staged):\n",
+        "        if outcome is not None and plan.speculative:\n",
+        (
+            BACKGROUND + "test_a_rank_that_fails_before_staging_a_speculative_background_save_"
+            "fails_it_everywhere",
         ),
     ),
     Mutation(
@@ -759,8 +848,10 @@ MUTATIONS = [
         "chain advances on failure",
         "an incremental save refers only to committed checkpoints",
         "src/shardpoint/saving.py",
-        "    records, sizes = result.chunks, {**result.files, **result.referenced}\n",
-        "    records, sizes = result.chunks, {**result.files, **result.referenced}\n"
+        "    records, sizes = [*result.chunks, *result.in_fragment], "
+        "{**result.files, **result.referenced}\n",
+        "    records, sizes = [*result.chunks, *result.in_fragment], "
+        "{**result.files, **result.referenced}\n"
         "    if plan.chain is not None and result.error is None:\n"
         "        plan.chain.committed(plan.storage.root, records, plan.tokens, sizes)\n",
         (INCREMENTAL + "test_a_failed_save_leaves_the_chain_on_the_last_committed_checkpoint",),

@@ -1,13 +1,13 @@
 """Asynchronous saves: stage on the training thread, persist in the background.
 
 ``AsyncSaver.save`` runs the save pipeline (``saving.run_save``) with a ``Stager``:
-on the caller's thread only what a consistent snapshot needs (flatten, the plan
-agreed in one small gather, and a copy of the bytes of every file this rank writes
-into staging-pool slots). When it returns, the live tensors may change; what is
-written is what they held at the call. Writer threads hand slots to the storage's
-streaming writers (local O_DIRECT files or multipart uploads) as they are staged, a
-hasher thread checksums them in file order, and a commit thread runs the pipeline's
-commit phase on a process group of its own.
+on the caller's thread only what a consistent snapshot needs (flatten, the plan —
+cached, with no collective, while no rank's structure changes — and a copy of the
+bytes of every file this rank writes into staging-pool slots). When it returns, the
+live tensors may change; what is written is what they held at the call. Writer
+threads hand slots to the storage's streaming writers (local O_DIRECT files or
+multipart uploads) as they are staged, a hasher thread checksums them in file order,
+and a commit thread runs the pipeline's commit phase on a process group of its own.
 
 At most one save is in flight: a new save first waits for the previous one (or,
 with ``if_busy="skip"``, every rank skips while any rank is still busy). A failed

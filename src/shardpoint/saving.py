@@ -16,11 +16,12 @@ directory without a marker, which no reader accepts as a checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
@@ -177,7 +178,7 @@ def _run_phases(
     references: tuple[list[ChunkRecord], dict[str, int]] = ([], {})
     try:
         if plan.unsettled:  # nothing to write: the commit's verdict has this save replanned
-            result = WriteResult()
+            result = WriteResult(error=plan.error)
             written = lambda: result  # noqa: E731
         else:
             if options.chain is not None:
@@ -191,9 +192,17 @@ def _run_phases(
     except Exception as exc:  # any failure must still reach the commit's gather
         failed = WriteResult(error=f"rank {plan.rank}: {exc}")
         written = lambda: failed  # noqa: E731
-    return lambda: commit(
-        plan, _with_references(written(), *references), options.metadata, start=start
-    )
+
+    def finish() -> SaveInfo:
+        result = _with_references(written(), *references)
+        try:
+            return commit(plan, result, options.metadata, start=start)
+        except _Unsettled as again:
+            if again.written is None:
+                raise  # run_save saves again, from the live state
+            return _save_staged_again(plan, again.written, options, start)
+
+    return finish
 
 
 def _refer_to_unchanged(
@@ -253,6 +262,13 @@ class SavePlan:
     # has every rank save again, agreed first.
     speculative: bool = False
     unsettled: bool = False
+    error: str | None = None  # why this (unsettled) rank could not save
+    # A background save: the caller has moved on, so a save that must run again
+    # (``_save_staged_again``) keeps the files the steady ranks wrote, and a rank whose
+    # structure changed writes from the copy of all it holds (``local``) it made.
+    staged: bool = False
+    own_structure: _RankStructure | None = None  # this rank's, as planned
+    cache_key: tuple[Any, ...] = ()  # where its plan is cached (``_PLANS``)
 
     @property
     def sharded_names(self) -> set[str]:
@@ -307,6 +323,7 @@ class WriteResult:
     # Files of earlier checkpoints its chunks refer to (incremental) -> size.
     referenced: dict[str, int] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)  # its shard file -> header checksum
+    in_fragment: list[ChunkRecord] = field(default_factory=list)  # (not sent: in the fragment)
 
     def to_json(self) -> dict[str, Any]:
         chunks = [c.to_json() for c in self.chunks]
@@ -361,9 +378,10 @@ def plan_save(
     has locked the directory create every file exclusively and refuse a committed
     checkpoint; leftovers of crashed saves are cleared at the commit.
 
-    ``staged`` (a background save) cannot write again once the caller has moved on:
-    it agrees first, in one all-reduce of a few integers when the plan is cached, and
-    stages device tensors itself (they are not copied to the host here).
+    ``staged`` (a background save) stages device tensors itself (they are not copied
+    to the host here) and speculates too, but cannot write again once the caller has
+    moved on: a rank whose structure changed copies all it holds here, and when the
+    commit says *again* the steady ranks keep what they wrote (``_save_staged_again``).
     """
     me = dist.rank()
     commits = me == 0 or (options.per_node and dist.is_node_leader())
@@ -373,10 +391,10 @@ def plan_save(
     # cached is the same on every rank, so all take the same path without asking. A
     # re-initialized process group (an in-process restart, which may bring a new
     # process with nothing cached) starts without plans on every rank.
-    for stale in [k for k in _PLANS if k[0] != generation]:
+    for stale in [k for k in list(_PLANS) if k[0] != generation]:  # (the commit thread adds)
         del _PLANS[stale]
     cached = _PLANS.get(cache_key) if dist.is_distributed() else None
-    speculative = cached is not None and not staged
+    speculative = cached is not None
     # A rank that fails before the collective still joins it, with its error, so that
     # no other rank waits forever; then every rank raises. Any exception counts: a
     # user's state_dict() may raise anything.
@@ -415,17 +433,24 @@ def plan_save(
     if speculative:
         assert cached is not None
         unsettled = own_error is not None or own != cached.own
-        if unsettled and commit_ is not None:
+        if unsettled and staged and own_error is None:
+            # The plan that follows may give this rank any of its holdings to write,
+            # after the caller has moved on: copy them all now.
+            local = {name: t.to("cpu", copy=True) for name, t in local.items()}
+        elif unsettled and commit_ is not None and not staged:
             commit_.release()  # the agreed save that follows takes the lock again
             commit_ = None
     else:
-        reusable = own_error is None and cached is not None and cached.own == own
-        if not (cached is not None and _every_rank_reuses(cached if reusable else None, group)):
-            cached = _agree_and_plan(
-                holdings, aliases, sharded, own, own_error, commit_, storage.where, options, group
-            )
-            if dist.is_distributed():  # one process (or a solo save) never reuses a plan
-                _PLANS[cache_key] = cached
+        cached = _agree_and_plan(
+            _RankStructure(own, holdings, aliases, sharded),
+            own_error,
+            commit_,
+            storage.where,
+            options,
+            group,
+        )
+        if dist.is_distributed():  # one process (or a solo save) never reuses a plan
+            _PLANS[cache_key] = cached
         unsettled = False
     assert cached is not None
     mine = [Piece(h.name, h.offsets, h.shape, me, h) for h in holdings if _writes(h, me)]
@@ -447,32 +472,31 @@ def plan_save(
         tokens,
         speculative=speculative,
         unsettled=unsettled,
+        error=f"rank {me}: {own_error}" if own_error is not None else None,
+        staged=staged,
+        own_structure=_RankStructure(own, holdings, aliases, sharded),
+        cache_key=cache_key,
     )
 
 
-def _every_rank_reuses(cached: _JobPlan | None, group: Any) -> bool:
-    """Whether every rank holds the same cached plan, unchanged (``cached`` is this
-    rank's, None when it cannot reuse it: changed, failed, none yet). One all-reduce
-    of five integers, whatever the ranks: the maximum of a flag, and of each half of
-    the job's digest and its negation (equal maximum and minimum: the same plan)."""
-    if cached is None:
-        high = low = 0
-    else:
-        high, low = int(cached.job[:15], 16), int(cached.job[15:30], 16)
-    flag, hi, neg_hi, lo, neg_lo = dist.max_of([int(cached is None), high, -high, low, -low], group)
-    return flag == 0 and hi == -neg_hi and lo == -neg_lo
+@dataclass
+class _RankStructure:
+    """What a rank holds, as its plan needs it."""
+
+    own: str | None  # its digest (``_structure_digest``)
+    holdings: list[Holding]
+    aliases: dict[str, str]
+    sharded: list[Any]  # ``_sharded_entries``
 
 
 def _agree_and_plan(
-    holdings: list[Holding],
-    aliases: dict[str, str],
-    sharded: list[Any],
-    own: str | None,
+    mine: _RankStructure,
     own_error: Exception | None,
     commit_: Commit | None,
     where: str,
     options: SaveOptions,
     group: Any,
+    staged: list[Any] | None = None,
 ) -> _JobPlan:
     """A save without a plan every rank can reuse. Rank 0 gathers every rank's error
     (raised on every rank) and structure, plans who writes which replicated chunk and
@@ -481,15 +505,19 @@ def _agree_and_plan(
     but rank 0 receives anything that grows with the ranks; in per-node mode each
     node's first rank also gets every rank's node and tied tensors, for its node's
     index. Waiting for rank 0's answer also orders every write after the preparation
-    of the directory."""
+    of the directory.
+
+    ``staged``: the plan of a background save that must run again
+    (``_save_staged_again``): whether this rank is steady, and the writes of its
+    cached plan, which rank 0 plans around (``_writes_around_staged``)."""
     me = dist.rank()
-    replicated = [h for h in holdings if h.replicated]
-    sole_bytes = sum(h.nbytes for h in holdings if _writes(h, me))
-    facts = [own, sole_bytes, dist.node_rank(), dist.is_node_leader()]
+    replicated = [h for h in mine.holdings if h.replicated]
+    sole_bytes = sum(h.nbytes for h in mine.holdings if _writes(h, me))
+    facts = [mine.own, sole_bytes, dist.node_rank(), dist.is_node_leader(), staged]
     structure = {
         "replicated": [h.to_json() for h in replicated],
-        "aliases": aliases,
-        "sharded": sharded,
+        "aliases": mine.aliases,
+        "sharded": mine.sharded,
     }
     error = f"rank {me}: {own_error}" if own_error else None
     failed, gathered = dist.gather_distinct_json(facts, structure, error, 0, group)
@@ -519,8 +547,10 @@ def _agree_and_plan(
         for name, offsets, shape, at, size in part["writes"]
     ]
     if job is None:
-        return _JobPlan(own, part["job"], part.get("structures"), pieces)
-    return _JobPlan(own, part["job"], job.structures, pieces, job.table, job.conflict, job.lists)
+        return _JobPlan(mine.own, part["job"], part.get("structures"), pieces)
+    return _JobPlan(
+        mine.own, part["job"], job.structures, pieces, job.table, job.conflict, job.lists
+    )
 
 
 @dataclass
@@ -544,22 +574,12 @@ def _plan_job(gathered: list[tuple[Any, Any]], per_node: bool) -> _RankZeroPlan:
     replicated = [decoded[id(structure)] for _, structure in gathered]
     sole_bytes = [facts[1] for facts, _ in gathered]
     nodes = [facts[2] for facts, _ in gathered]
-    if per_node:
-        # Every node writes its own copy of replicated state, split among its ranks, so
-        # a node restores from its own disk alone; shards are written once.
-        members: dict[int, list[int]] = {}
-        for rank, node in enumerate(nodes):
-            members.setdefault(node, []).append(rank)
-        pieces = []
-        for node in sorted(members):
-            ranks = members[node]
-            for piece in plan_writes(
-                [sole_bytes[r] for r in ranks], [replicated[r] for r in ranks]
-            ):
-                piece.writer = ranks[piece.writer]  # the node's index -> the job's rank
-                pieces.append(piece)
+    if gathered[0][0][4] is not None:  # a background save's again: around what is written
+        steady = [facts[4][0] for facts, _ in gathered]
+        kept = [facts[4][1] for facts, _ in gathered]
+        pieces = _writes_around_staged(steady, kept, sole_bytes, replicated, nodes, per_node)
     else:
-        pieces = plan_writes(sole_bytes, replicated)
+        pieces = _plan_writes(sole_bytes, replicated, nodes, per_node)
     structures = [
         {"aliases": structure["aliases"], "node": facts[2], "leader": facts[3]}
         for facts, structure in gathered
@@ -579,6 +599,116 @@ def _plan_job(gathered: list[tuple[Any, Any]], per_node: bool) -> _RankZeroPlan:
     lists = list(sharded.values())
     table, conflict = _sharded_table(lists)
     return _RankZeroPlan(parts, structures, table, conflict, lists)
+
+
+def _plan_writes(
+    load: list[int], replicated: list[list[Holding]], nodes: list[int], per_node: bool
+) -> list[Piece]:
+    """``plan_writes`` for the job, or in per-node mode for each node apart: every node
+    writes its own copy of replicated state, split among its ranks, so a node restores
+    from its own disk alone; shards are written once."""
+    if not per_node:
+        return plan_writes(load, replicated)
+    members: dict[int, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        members.setdefault(node, []).append(rank)
+    pieces = []
+    for node in sorted(members):
+        ranks = members[node]
+        for piece in plan_writes([load[r] for r in ranks], [replicated[r] for r in ranks]):
+            piece.writer = ranks[piece.writer]  # the node's index -> the job's rank
+            pieces.append(piece)
+    return pieces
+
+
+def _writes_around_staged(
+    steady: list[bool],
+    kept: list[list[Any]],
+    sole_bytes: list[int],
+    replicated: list[list[Holding]],
+    nodes: list[int],
+    per_node: bool,
+) -> list[Piece]:
+    """Rank 0, for a background save that must run again: the steady ranks wrote their
+    cached share and can write nothing else (they staged only that); the ranks whose
+    structure changed copied everything they hold and write the rest.
+
+    A cached piece stays with its writer if the writer is steady or still holds the
+    chunk it is cut from; otherwise it goes to the least-loaded changed rank (of the
+    writer's node, in per-node mode) that holds that chunk, and is dropped if no rank
+    holds it any more. Chunks no cached piece is cut from are planned among the changed
+    ranks that hold them. A piece of a chunk that only steady ranks hold cannot be
+    written: the save fails (the next one agrees first)."""
+    chunks: dict[int, dict[tuple[Any, ...], Holding]] = {}  # per distinct list
+    for held in replicated:
+        if id(held) not in chunks:
+            chunks[id(held)] = {(h.name, h.offsets, h.shape): h for h in held}
+    load = list(sole_bytes)
+    pieces: list[Piece] = []
+    orphans: list[tuple[int, list[Any]]] = []  # (cached writer, its write)
+    # The chunks cached pieces are cut from (with the node whose copy they are).
+    cut: set[tuple[Any, ...]] = set()
+    for rank, writes in enumerate(kept):
+        for write in writes:
+            name, offsets, shape, at, size = write
+            key = (name, tuple(at), tuple(size))
+            cut.add((*key, nodes[rank] if per_node else None))
+            source = chunks[id(replicated[rank])].get(key)  # a steady rank's always is
+            if source is None:
+                orphans.append((rank, write))
+                continue
+            piece = Piece(name, tuple(offsets), tuple(shape), rank, source)
+            pieces.append(piece)
+            load[rank] += _piece_nbytes(piece)
+    # The changed ranks' holders of each chunk, found once per distinct list.
+    changed: dict[int, tuple[list[Holding], list[int]]] = {}
+    for rank, held in enumerate(replicated):
+        if not steady[rank]:
+            changed.setdefault(id(held), (held, []))[1].append(rank)
+    wanted = {(w[0], tuple(w[3]), tuple(w[4])) for _, w in orphans}
+    holders: dict[tuple[Any, ...], list[int]] = {}
+    # Per distinct changed list (and node): its chunks no cached piece is cut from.
+    new: dict[tuple[int, int | None], list[Holding]] = {}
+    for held, ranks in changed.values():
+        for h in held:
+            key = (h.name, h.offsets, h.shape)
+            if key in wanted:
+                holders.setdefault(key, []).extend(ranks)
+        for node in {nodes[r] if per_node else None for r in ranks}:
+            new[id(held), node] = [h for h in held if (h.name, h.offsets, h.shape, node) not in cut]
+    for cached_writer, (name, offsets, shape, at, size) in orphans:
+        key = (name, tuple(at), tuple(size))
+        node = nodes[cached_writer]
+        candidates = [r for r in holders.get(key, []) if not per_node or nodes[r] == node]
+        if not candidates:
+            if per_node:  # (the node's ranks' chunks: its copy)
+                held_by = [chunks[id(replicated[r])] for r, n in enumerate(nodes) if n == node]
+            else:
+                held_by = list(chunks.values())
+            if any(key in c for c in held_by):
+                raise CheckpointError(
+                    f"rank {cached_writer}'s structure changed during this background save and "
+                    f"the piece of {name!r} at {list(offsets)} it was to write is held "
+                    "only by ranks that staged their own share: the save cannot be "
+                    "completed from what was staged, nothing is committed, and the next "
+                    "save agrees on a plan before it stages"
+                )
+            continue  # no rank holds it any more: the entry left the state
+        writer = min(candidates, key=lambda r: (load[r], r))
+        source = chunks[id(replicated[writer])][key]
+        piece = Piece(name, tuple(offsets), tuple(shape), writer, source)
+        pieces.append(piece)
+        load[writer] += _piece_nbytes(piece)
+    nothing: list[Holding] = []
+    lists = [
+        nothing if steady[r] else new[id(held), nodes[r] if per_node else None]
+        for r, held in enumerate(replicated)
+    ]
+    return pieces + _plan_writes(load, lists, nodes, per_node)
+
+
+def _piece_nbytes(p: Piece) -> int:
+    return math.prod(p.shape) * itemsize(p.source.dtype)
 
 
 def _writes(h: Holding, rank: int) -> bool:
@@ -615,13 +745,18 @@ _PLANS: dict[tuple[Any, ...], _JobPlan] = {}
 
 
 def _forget(job: _JobPlan | None) -> None:
-    for key in [k for k, v in _PLANS.items() if v is job]:
+    for key in [k for k, v in list(_PLANS.items()) if v is job]:
         del _PLANS[key]
 
 
 class _Unsettled(Exception):
     """A speculative save that could not commit (a rank changed or failed): every rank
-    removed what it wrote and saves again, agreed first."""
+    removed what it wrote and saves again, agreed first. A background save's steady
+    ranks keep theirs: ``written`` is what this rank wrote and reported."""
+
+    def __init__(self, why: str, written: WriteResult | None = None) -> None:
+        super().__init__(why)
+        self.written = written
 
 
 def _digest(value: Any) -> str:
@@ -677,18 +812,70 @@ def commit(
     The gather doubles as the barrier before commit: rank 0 hears from every rank once
     its files are durable (or failed).
     """
+    again = False
     try:
         return _commit(plan, result, metadata, start)
+    except _Unsettled:
+        again = plan.staged  # its next round commits into this directory, still locked
+        raise
     finally:
+        if not again:
+            plan.release()
+
+
+def _save_staged_again(
+    plan: SavePlan, kept: WriteResult, options: SaveOptions, start: float
+) -> SaveInfo:
+    """A background save some of whose ranks changed structure (they wrote nothing and
+    copied all they hold; the steady ranks wrote their cached share): plan again around
+    what is written (``_writes_around_staged``), the changed ranks write their part
+    from their copies, and commit. Runs on the background thread, on every rank."""
+    mine = plan.own_structure
+    assert mine is not None and plan.job is not None
+    cached = [
+        [p.name, p.offsets, p.shape, p.source.offsets, p.source.shape] for p in plan.job.pieces
+    ]
+    try:
+        job = _agree_and_plan(
+            mine,
+            None,
+            None,
+            plan.storage.where,
+            options,
+            plan.group,
+            staged=[not plan.unsettled, cached],
+        )
+    except Exception as exc:
+        cleanup = plan.commit or Commit(plan.storage)
+        cleanup.abort(kept.files, remove_directory=plan.commit is not None)
         plan.release()
+        raise CheckpointError(
+            f"{plan.storage.where}: the background save could not be planned again after a "
+            f"structure change ({exc}); nothing was committed and earlier checkpoints are "
+            "untouched"
+        ) from exc
+    _PLANS[plan.cache_key] = job
+    again = replace(plan, structures=job.structures, job=job, speculative=False, unsettled=False)
+    result = kept
+    if plan.unsettled:  # it wrote nothing: its part, from the copy of all it held
+        me = plan.rank
+        own = [Piece(h.name, h.offsets, h.shape, me, h) for h in mine.holdings]
+        again.pieces = [p for p in own if _writes(p.source, me)] + job.pieces
+        try:
+            references = _refer_to_unchanged(again, options.chain) if options.chain else ([], {})
+            files = lay_out(again, options.max_shard_size, zero_copy=True)
+            result = _with_references(write_from_memory(again, files, options.threads), *references)
+        except Exception as exc:  # reaches the commit's gather, as any failure does
+            result = WriteResult(error=f"rank {me}: {exc}")
+    return commit(again, result, options.metadata, start=start)
 
 
 def _commit(
     plan: SavePlan, result: WriteResult, metadata: dict[str, Any] | None, start: float
 ) -> SaveInfo:
-    records, sizes = result.chunks, {**result.files, **result.referenced}
-    if result.error is None and not plan.unsettled:
-        result = _write_fragment(plan, result)
+    records, sizes = [*result.chunks, *result.in_fragment], {**result.files, **result.referenced}
+    if result.error is None and not plan.unsettled and result.fragment is None:
+        result = _write_fragment(plan, result)  # (written already by a first round)
     # The non-tensor trees travel here, not with the plan: they change every save.
     docs: list[Any] | None = None
     trees: list[Any] = [plan.tree]
@@ -712,8 +899,9 @@ def _commit(
     if results is not None:  # rank 0
         errors = [r.error for r in results if r.error]
         outcome = errors[0] if errors else None
-        if unsettled:
-            outcome = f"rank {unsettled[0]}'s structure changed, or it could not save"
+        changed = bool(unsettled) and not errors  # (an unsettled rank that failed says why)
+        if changed:
+            outcome = f"rank {unsettled[0]}'s structure changed"
         if outcome is None:
             try:
                 assert plan.job is not None
@@ -742,8 +930,10 @@ def _commit(
                     plan.commit.finish(index.to_json())
             except Exception as exc:  # OSError locally; the object store's errors too
                 outcome = f"rank 0 (commit): {exc}"
-        if outcome is not None and plan.speculative:
-            outcome = {"again": outcome}  # a failed guess: every rank saves again, agreed
+        # A failed guess: every rank saves again, agreed (a background save only when a
+        # structure changed: it cannot write again what failed to be written).
+        if outcome is not None and plan.speculative and (changed or not plan.staged):
+            outcome = {"again": outcome}
         written = sum(sum(r.files.values()) for r in results)
         files = sum(len(r.files) for r in results)
     else:
@@ -756,12 +946,14 @@ def _commit(
         outcome = _commit_every_node(plan, inputs, own_index)
     if outcome:
         _forget(plan.job)  # every rank got this outcome: the next save is agreed first
+        again = isinstance(outcome, dict)
+        if again and plan.staged:  # the steady ranks' files stay: planned around, below
+            raise _Unsettled(outcome["again"], result)
         # Only the committing rank removes the directory: another rank's files may still
         # be in flight when a fast-failing rank gets here. Each rank removes only the
         # files it created (made exclusively, so none is another save's).
         cleanup = plan.commit or Commit(plan.storage)
         own = [*result.files, *((INDEX_NAME, MARKER_NAME) if plan.commit else ())]
-        again = isinstance(outcome, dict)
         cleanup.abort(own, remove_directory=plan.commit is not None and not again)
         if again:
             raise _Unsettled(outcome["again"])
@@ -814,6 +1006,7 @@ def _write_fragment(plan: SavePlan, result: WriteResult) -> WriteResult:
         fragment_files=sorted({c.file for c in [*sharded.values(), *(e.chunks[0] for e in own)]}),
         referenced=result.referenced,
         headers=result.headers,
+        in_fragment=[c for c in result.chunks if c.name in sharded or c.name in plan.rank_tensors],
     )
 
 
