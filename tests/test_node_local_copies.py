@@ -424,3 +424,41 @@ def test_node_local_directories_are_told_from_a_shared_one_by_probes_alone(tmp_p
         assert "all_gather" not in [name for name, _ in log], (rank, log)
     for d in ("node0", "node1", "shared"):
         assert list((tmp_path / d).iterdir()) == [], d
+
+
+def _grown(step: int) -> dict:
+    shared = _shared()
+    if step >= 2:  # every rank, at once: a new replicated tensor (an optimizer's moments)
+        shared["extra"] = torch.arange(2048, dtype=torch.float32) * (step + 1)
+    return {"shared": shared, "step": step}
+
+
+def _background_per_node_saves(rank: int, world: int, root: str) -> None:
+    from shardpoint import AsyncSaver
+
+    node = _as_node(rank)
+    saver = AsyncSaver(per_node=True)
+    for step in range(4):
+        state = _grown(step)
+        handle = saver.save(state, str(_node_dir(root, node) / f"step{step}"))
+        for t in state["shared"].values():  # training goes on: the save keeps the call's
+            t.add_(1)
+        handle.wait()
+    saver.close()
+
+
+def test_a_background_per_node_save_whose_structure_changed_keeps_each_nodes_copy(tmp_path):
+    """Background saves in per-node mode: at step 2 every rank gains a tensor, so the
+    commit says *again*, each rank writes the rest of its node's copy from what it
+    copied at the call, and each node's directory holds a whole, verified copy."""
+    from shardpoint import open as open_checkpoint
+    from shardpoint import verify
+
+    run_ranks(WORLD, _background_per_node_saves, str(tmp_path))
+    for node in (0, 1):
+        for step in range(4):
+            directory = _node_dir(str(tmp_path), node) / f"step{step}"
+            assert verify(directory).ok, (node, step)
+            with open_checkpoint(directory) as ckpt:
+                for name, tensor in _grown(step)["shared"].items():
+                    assert torch.equal(ckpt.get(f"shared.{name}"), tensor), (node, step, name)

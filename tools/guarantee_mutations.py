@@ -406,6 +406,8 @@ MUTATIONS = [
         (
             BACKGROUND + "test_a_background_save_in_which_every_rank_changed_is_planned_again_"
             "from_copies",
+            "tests/test_node_local_copies.py::"
+            "test_a_background_per_node_save_whose_structure_changed_keeps_each_nodes_copy",
         ),
     ),
     Mutation(
