@@ -510,3 +510,33 @@ def test_retention_that_cannot_read_a_kept_index_keeps_every_shard_file(tmp_path
     _train(state, 4)
     manager.save(4, state, force=True)
     assert not manager.path_for(2).exists() and (manager.path_for(1) / PRUNED_NAME).exists()
+
+
+def _background_incremental_saves(rank: int, world: int, root: str) -> None:
+    chain = IncrementalChain()
+    saver = shardpoint.AsyncSaver()
+    mine = torch.arange(1000.0) + rank  # unchanged: referred to from the second save on
+    values = {"t": mine}
+    state = {"mine": shardpoint.PerRank({rank: values}), "w": torch.zeros(3)}
+    for step in (1, 2, 3, 4):
+        state["w"].add_(1.0)
+        if step == 3 and rank == 1:  # rank 1's structure changes: the save runs again
+            values["extra"] = torch.ones(5)
+        saver.save(state, f"{root}/step-{step:09d}", chain=chain).wait()
+    saver.close()
+
+
+def test_a_background_save_run_again_after_a_change_keeps_the_chain_of_its_steady_ranks(
+    tmp_path,
+):
+    """Rank 0 is steady when rank 1 changes at step 3: it keeps the files it wrote,
+    whose chunks of its own values went to its fragment, and the chain must still
+    learn them, so that step 4 refers to step 1's file instead of writing it again."""
+    run_ranks(2, _background_incremental_saves, str(tmp_path))
+    for step in (3, 4):
+        files = _index(tmp_path / f"step-{step:09d}")["files"]
+        assert "../step-000000001/rank00000-00000.safetensors" in files, (step, files)
+        assert shardpoint.verify(tmp_path / f"step-{step:09d}").ok
+    out = {"mine": shardpoint.PerRank({0: {"t": torch.zeros(1000)}}), "w": torch.zeros(3)}
+    shardpoint.load(out, tmp_path / "step-000000004", strict=False)
+    assert torch.equal(out["mine"][0]["t"], torch.arange(1000.0)) and out["w"][0].item() == 4.0

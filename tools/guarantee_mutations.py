@@ -433,6 +433,17 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "a steady rank's fragment chunks not chained",
+        "an incremental save refers only to committed checkpoints",
+        "src/shardpoint/saving.py",
+        "    records, sizes = [*result.chunks, *result.in_fragment], ",
+        "    records, sizes = result.chunks, ",
+        (
+            INCREMENTAL + "test_a_background_save_run_again_after_a_change_keeps_the_chain_of_"
+            "its_steady_ranks",
+        ),
+    ),
+    Mutation(
         "a background failure tried again",
         "a background save holds the state at the call",
         "src/shardpoint/saving.py",
