@@ -36,11 +36,20 @@ def _fingerprint(directory: Path) -> dict[str, str]:
     }
 
 
-def _then(rank: int, root: str, target: str, name: str) -> None:
+def _then(rank: int, root: str, target: str, name: str, background: bool = False) -> None:
     """Two saves (the plan is cached after the first), then one into ``target``; records
-    what each rank raised and whether it wrote a shard file into ``target``."""
+    what each rank raised and whether it wrote a shard file into ``target``. With
+    ``background``, the saves are an ``AsyncSaver``'s, each waited for."""
+    saver = shardpoint.AsyncSaver() if background else None
+
+    def save(state: dict, path: str) -> None:
+        if saver is None:
+            shardpoint.save(state, path)
+        else:
+            saver.save(state, path).wait()
+
     for step in range(2):
-        shardpoint.save(_state(rank, step), f"{root}/step{step}")
+        save(_state(rank, step), f"{root}/step{step}")
     torch.distributed.barrier()
     if rank == 0 and Path(target).is_dir():  # before any rank writes there
         with open(f"{root}/{name}-before.json", "w") as f:
@@ -48,20 +57,28 @@ def _then(rank: int, root: str, target: str, name: str) -> None:
     torch.distributed.barrier()
     wrote = []
     real = local_storage.LocalDirectory.write_files
+    real_stream = local_storage.LocalDirectory.open_writer  # a background save's files
 
     def recording(self, files, **kwargs):
         if str(self.root) == target:
             wrote.extend(files)
         return real(self, files, **kwargs)
 
+    def recording_stream(self, name, size, **kwargs):
+        if str(self.root) == target:
+            wrote.append(name)
+        return real_stream(self, name, size, **kwargs)
+
     local_storage.LocalDirectory.write_files = recording
+    local_storage.LocalDirectory.open_writer = recording_stream
     raised = None
     try:
-        shardpoint.save(_state(rank, 2), target)
+        save(_state(rank, 2), target)
     except Exception as exc:
         raised = type(exc).__name__
     finally:
         local_storage.LocalDirectory.write_files = real
+        local_storage.LocalDirectory.open_writer = real_stream
     with open(f"{root}/{name}{rank}.json", "w") as f:
         json.dump({"raised": raised, "wrote": wrote}, f)
 
@@ -70,16 +87,18 @@ def _outcomes(root: Path, name: str, world: int) -> list[dict]:
     return [json.loads((root / f"{name}{r}.json").read_text()) for r in range(world)]
 
 
-def _into_committed(rank: int, world: int, root: str) -> None:
-    _then(rank, root, f"{root}/step0", "committed")
+def _into_committed(rank: int, world: int, root: str, background: bool) -> None:
+    _then(rank, root, f"{root}/step0", "committed", background)
 
 
-def test_an_unchanged_save_into_a_committed_checkpoint_writes_nothing_there(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["save", "background"])
+def test_an_unchanged_save_into_a_committed_checkpoint_writes_nothing_there(tmp_path, background):
     """The committed checkpoint is refused by every rank before it writes a byte: rank 0
-    when it locks, every other rank by looking for the marker first (it has no lock)."""
-    run_ranks(2, _into_committed, str(tmp_path))
+    when it locks, every other rank by looking for the marker first (it has no lock).
+    A background save reports it through the commit, and removes nothing of it."""
+    run_ranks(2, _into_committed, str(tmp_path), background)
     outcomes = _outcomes(tmp_path, "committed", 2)
-    assert outcomes[0]["raised"] == "CheckpointExistsError"
+    assert outcomes[0]["raised"] == ("CheckpointError" if background else "CheckpointExistsError")
     assert outcomes[1]["raised"] == "CheckpointError"
     assert [o["wrote"] for o in outcomes] == [[], []]
     before = json.loads((tmp_path / "committed-before.json").read_text())
@@ -87,11 +106,12 @@ def test_an_unchanged_save_into_a_committed_checkpoint_writes_nothing_there(tmp_
     assert shardpoint.verify(tmp_path / "step0").ok
 
 
-def _beside_another_writer(rank: int, world: int, root: str) -> None:
-    _then(rank, root, f"{root}/busy", "busy")
+def _beside_another_writer(rank: int, world: int, root: str, background: bool) -> None:
+    _then(rank, root, f"{root}/busy", "busy", background)
 
 
-def test_an_unchanged_save_beside_another_jobs_save_leaves_its_files_alone(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["save", "background"])
+def test_an_unchanged_save_beside_another_jobs_save_leaves_its_files_alone(tmp_path, background):
     """Another job is saving into the same directory (it holds the lock and has written
     a file whose name this save needs). The speculative write creates files exclusively,
     so it neither overwrites nor, failing, deletes that file; the agreed save that
@@ -103,31 +123,39 @@ def test_an_unchanged_save_beside_another_jobs_save_leaves_its_files_alone(tmp_p
     lock = local_storage.WriterLock(busy)
     lock.acquire()
     try:
-        run_ranks(2, _beside_another_writer, str(tmp_path))
+        run_ranks(2, _beside_another_writer, str(tmp_path), background)
     finally:
         lock.release()
     outcomes = _outcomes(tmp_path, "busy", 2)
-    assert outcomes[0]["raised"] == "ConcurrentWriterError"
+    assert outcomes[0]["raised"] == ("CheckpointError" if background else "ConcurrentWriterError")
     assert outcomes[1]["raised"] == "CheckpointError"
     assert theirs.read_bytes() == b"the other job's bytes"
     assert sorted(p.name for p in busy.iterdir()) == [theirs.name]  # nothing else left
 
 
-def _onto_leftovers(rank: int, world: int, root: str) -> None:
-    _then(rank, root, f"{root}/step2", "leftovers")
+def _onto_leftovers(rank: int, world: int, root: str, background: bool) -> None:
+    _then(rank, root, f"{root}/step2", "leftovers", background)
 
 
-def test_an_unchanged_save_onto_a_crashed_saves_leftovers_commits_and_clears_them(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["save", "background"])
+def test_an_unchanged_save_onto_a_crashed_saves_leftovers_commits_and_clears_them(
+    tmp_path, background
+):
     """A crashed save left files at the path (names this save needs, and others): the
     speculative write refuses the names that are there, every rank saves again agreed
     first — rank 0 clears the leftovers under the lock — and the checkpoint commits,
-    holding nothing but its own files."""
+    holding nothing but its own files. In the background rank 1 sees its name taken
+    before it stages: it copies what it holds and writes it once rank 0 has cleared,
+    rank 0 keeping what it wrote."""
     step2 = tmp_path / "step2"
     step2.mkdir()
     for name in ("rank00001-00000.safetensors", "rank00007-00000.safetensors", "index.json"):
         (step2 / name).write_bytes(b"left by a crashed save")
-    run_ranks(2, _onto_leftovers, str(tmp_path))
-    assert [o["raised"] for o in _outcomes(tmp_path, "leftovers", 2)] == [None, None]
+    run_ranks(2, _onto_leftovers, str(tmp_path), background)
+    outcomes = _outcomes(tmp_path, "leftovers", 2)
+    assert [o["raised"] for o in outcomes] == [None, None]
+    if background:  # each file written once: rank 0's kept, rank 1's after the clear
+        assert [len(o["wrote"]) for o in outcomes] == [1, 1]
     _check_only_its_own_files(step2)
 
 

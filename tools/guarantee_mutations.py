@@ -444,6 +444,41 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "a failed lock kept by a background save",
+        "earlier checkpoints and other saves are never damaged (speculative writes)",
+        "src/shardpoint/saving.py",
+        "        elif unsettled and commit_ is not None:\n",
+        "        elif unsettled and commit_ is not None and not staged:\n",
+        (
+            "tests/test_speculative_saves.py::"
+            "test_an_unchanged_save_into_a_committed_checkpoint_writes_nothing_there[background]",
+        ),
+    ),
+    Mutation(
+        "a background save writes into a leftover's name",
+        "earlier checkpoints and other saves are never damaged (speculative writes)",
+        "src/shardpoint/saving.py",
+        "            elif plan.speculative and _taken(plan, files):\n",
+        "            elif False:\n",
+        (
+            "tests/test_speculative_saves.py::"
+            "test_an_unchanged_save_onto_a_crashed_saves_leftovers_commits_and_clears_them"
+            "[background]",
+        ),
+    ),
+    Mutation(
+        "leftovers not cleared before a background again",
+        "earlier checkpoints and other saves are never damaged (speculative writes)",
+        "src/shardpoint/saving.py",
+        "            plan.commit.clear(keep=set(every_kept or ()))\n",
+        "            pass\n",
+        (
+            "tests/test_speculative_saves.py::"
+            "test_an_unchanged_save_onto_a_crashed_saves_leftovers_commits_and_clears_them"
+            "[background]",
+        ),
+    ),
+    Mutation(
         "a background failure tried again",
         "a background save holds the state at the call",
         "src/shardpoint/saving.py",

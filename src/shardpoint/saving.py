@@ -187,6 +187,13 @@ def _run_phases(
             if staging is None:
                 result = write_from_memory(plan, files, options.threads)
                 written = lambda: result  # noqa: E731
+            elif plan.speculative and _taken(plan, files):
+                # A crashed save's leftover holds a name this rank needs. Only the
+                # committing rank may clear it, under its lock, in the round the commit
+                # will call for: until then this rank writes nothing, as a changed one.
+                plan.unsettled, plan.local = True, _copied(plan.local)
+                result = WriteResult()
+                written = lambda: result  # noqa: E731
             else:
                 written = staging.stage(plan, files)
     except Exception as exc:  # any failure must still reach the commit's gather
@@ -200,9 +207,25 @@ def _run_phases(
         except _Unsettled as again:
             if again.written is None:
                 raise  # run_save saves again, from the live state
-            return _save_staged_again(plan, again.written, options, start)
+            return _save_staged_again(plan, again.written, again.kept, options, start)
 
     return finish
+
+
+def _copied(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host copies of a rank's tensors, for a background save to write after the caller
+    has moved on."""
+    return {name: t.to("cpu", copy=True) for name, t in local.items()}
+
+
+def _taken(plan: SavePlan, files: list[ShardFile]) -> bool:
+    """Whether a file this rank is about to create exclusively is already there."""
+    if not plan.storage.creates_exclusively:
+        return False
+    names = [f.name for f in files]
+    if plan.sharded_names or plan.rank_values:
+        names.append(fragment_file(plan.rank))
+    return any(plan.storage.size(name) is not None for name in names)
 
 
 def _refer_to_unchanged(
@@ -436,9 +459,12 @@ def plan_save(
         if unsettled and staged and own_error is None:
             # The plan that follows may give this rank any of its holdings to write,
             # after the caller has moved on: copy them all now.
-            local = {name: t.to("cpu", copy=True) for name, t in local.items()}
-        elif unsettled and commit_ is not None and not staged:
-            commit_.release()  # the agreed save that follows takes the lock again
+            local = _copied(local)
+        elif unsettled and commit_ is not None:
+            # Not this save's directory to clean (its lock may be another writer's, its
+            # files a committed checkpoint's); a synchronous save's agreed round takes
+            # the lock again.
+            commit_.release()
             commit_ = None
     else:
         cached = _agree_and_plan(
@@ -754,9 +780,12 @@ class _Unsettled(Exception):
     removed what it wrote and saves again, agreed first. A background save's steady
     ranks keep theirs: ``written`` is what this rank wrote and reported."""
 
-    def __init__(self, why: str, written: WriteResult | None = None) -> None:
+    def __init__(
+        self, why: str, written: WriteResult | None = None, kept: list[str] | None = None
+    ) -> None:
         super().__init__(why)
         self.written = written
+        self.kept = kept  # on rank 0: every file the ranks wrote and keep
 
 
 def _digest(value: Any) -> str:
@@ -824,21 +853,37 @@ def commit(
 
 
 def _save_staged_again(
-    plan: SavePlan, kept: WriteResult, options: SaveOptions, start: float
+    plan: SavePlan,
+    kept: WriteResult,
+    every_kept: list[str] | None,
+    options: SaveOptions,
+    start: float,
 ) -> SaveInfo:
-    """A background save some of whose ranks changed structure (they wrote nothing and
-    copied all they hold; the steady ranks wrote their cached share): plan again around
-    what is written (``_writes_around_staged``), the changed ranks write their part
-    from their copies, and commit. Runs on the background thread, on every rank."""
+    """A background save some of whose ranks changed structure or found a crashed
+    save's leftover in their way (they wrote nothing and copied all they hold; the
+    steady ranks wrote their cached share): the committing ranks clear leftovers but
+    the files written (``every_kept``, from rank 0), then rank 0 plans around those
+    (``_writes_around_staged``), the other ranks write their part from their copies,
+    and the save commits. Runs on the background thread, on every rank."""
     mine = plan.own_structure
     assert mine is not None and plan.job is not None
+    cleared: Exception | None = None  # why a committing rank could not clear
+    try:
+        if plan.per_node and plan.commit is not None:  # each node's first rank: its own
+            assert plan.structures is not None
+            leaders = [0, *(r for r, s in enumerate(plan.structures) if s["leader"] and r)]
+            every_kept = dist.relay_json(every_kept, leaders, plan.group)
+        if plan.commit is not None:  # before the plan that orders the other ranks' writes
+            plan.commit.clear(keep=set(every_kept or ()))
+    except Exception as exc:  # every rank raises it at the planning that follows
+        cleared = exc
     cached = [
         [p.name, p.offsets, p.shape, p.source.offsets, p.source.shape] for p in plan.job.pieces
     ]
     try:
         job = _agree_and_plan(
             mine,
-            None,
+            cleared,
             None,
             plan.storage.where,
             options,
@@ -850,9 +895,8 @@ def _save_staged_again(
         cleanup.abort(kept.files, remove_directory=plan.commit is not None)
         plan.release()
         raise CheckpointError(
-            f"{plan.storage.where}: the background save could not be planned again after a "
-            f"structure change ({exc}); nothing was committed and earlier checkpoints are "
-            "untouched"
+            f"{plan.storage.where}: the background save could not be completed ({exc}); "
+            "nothing was committed and earlier checkpoints are untouched"
         ) from exc
     _PLANS[plan.cache_key] = job
     again = replace(plan, structures=job.structures, job=job, speculative=False, unsettled=False)
@@ -901,7 +945,7 @@ def _commit(
         outcome = errors[0] if errors else None
         changed = bool(unsettled) and not errors  # (an unsettled rank that failed says why)
         if changed:
-            outcome = f"rank {unsettled[0]}'s structure changed"
+            outcome = f"rank {unsettled[0]} did not write the cached plan"
         if outcome is None:
             try:
                 assert plan.job is not None
@@ -948,7 +992,8 @@ def _commit(
         _forget(plan.job)  # every rank got this outcome: the next save is agreed first
         again = isinstance(outcome, dict)
         if again and plan.staged:  # the steady ranks' files stay: planned around, below
-            raise _Unsettled(outcome["again"], result)
+            kept = sorted({f for r in results or () for f in r.files}) if results else None
+            raise _Unsettled(outcome["again"], result, kept)
         # Only the committing rank removes the directory: another rank's files may still
         # be in flight when a fast-failing rank gets here. Each rank removes only the
         # files it created (made exclusively, so none is another save's).

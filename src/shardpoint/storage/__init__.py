@@ -38,6 +38,8 @@ class CheckpointStorage(Protocol):
     """A checkpoint "directory": named files, written whole, read by byte ranges."""
 
     root: Any  # the location as given: a Path, or the URL
+    # Whether ``exclusive`` writes refuse a name that is there (local files: yes).
+    creates_exclusively: bool
 
     @property
     def where(self) -> str: ...

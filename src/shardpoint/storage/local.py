@@ -83,6 +83,8 @@ def _outside(path: Path, top: Path) -> bool:
 class LocalDirectory:
     """A checkpoint directory on a local (or shared POSIX) file system."""
 
+    creates_exclusively = True
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
 

@@ -76,6 +76,8 @@ def _store(bucket_url: str, options: dict[str, Any]) -> Any:
 class ObjectStoreDirectory:
     """A checkpoint "directory" under ``scheme://bucket/prefix``."""
 
+    creates_exclusively = False  # (see ``write_small_durably``)
+
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
         self.root = self.url
