@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed
 from distributed import count_received, run_ranks
 
 import shardpoint
@@ -264,7 +265,7 @@ def test_a_process_group_initialized_again_in_the_same_processes_saves_with_a_ne
         _check_values(str(tmp_path), step, rows)
 
 
-# ---- background saves (AsyncSaver): the same plans, speculated from staged copies --------
+# ---- background saves (AsyncSaver): the same plans, speculated on staged copies ----------
 
 
 def _bump(state: dict) -> None:
@@ -292,14 +293,15 @@ def _background_saves(rank: int, world: int, root: str) -> None:
             json.dump(per_save, f)
 
 
-def test_an_unchanged_background_save_has_one_collective_and_a_change_is_saved_from_copies(
+def test_an_unchanged_background_save_has_one_collective_and_a_changed_rank_waits_for_its_part(
     tmp_path,
 ):
     """A background save speculates like a synchronous one: with its structure unchanged
     its only collective is the commit's gather and outcome. When rank 1's structure
-    changes, it copies all it holds before the caller moves on; the commit's *again*
-    keeps what rank 0 wrote, and rank 1 writes its part of a plan made around it, from
-    its copy: the checkpoint holds the state at the call, not the bumped one."""
+    changes, it writes nothing and waits in save(): the commit's *again* keeps what
+    rank 0 wrote, and rank 1 stages its part of a plan made around it before its
+    caller moves on, so the checkpoint holds the state at the call, not the bumped
+    one."""
     run_ranks(2, _background_saves, str(tmp_path))
     kinds = json.loads((tmp_path / "collectives.json").read_text())
     first = ["gather_distinct_json", "scatter_plan", "gather_json", "broadcast_json"]
@@ -333,10 +335,10 @@ def _grown_background_saves(rank: int, world: int, root: str) -> None:
     saver.close()
 
 
-def test_a_background_save_in_which_every_rank_changed_is_planned_again_from_copies(tmp_path):
+def test_a_background_save_in_which_every_rank_changed_is_planned_again_at_the_call(tmp_path):
     """No rank is steady: the cached pieces of the reshaped tensor are dropped (no rank
     holds that chunk any more), the rest stay with their writers, and the new tensor
-    is planned among the ranks, all from their copies."""
+    is planned among the ranks; both stage their parts before save() returns."""
     run_ranks(2, _grown_background_saves, str(tmp_path))
     for step in range(4):
         expected = _grown_state(0, step)
@@ -365,23 +367,24 @@ def _dropping_background_saves(rank: int, world: int, root: str) -> None:
     saver = shardpoint.AsyncSaver()
     saver.save(_state(rank, 0, 2), f"{root}/step0").wait()
     # A replicated tensor the plan gave rank 1 to write, which rank 1 then drops while
-    # rank 0 keeps it: rank 0 staged only its own share, so nobody has a copy of it.
+    # rank 0 keeps it: rank 0 staged only its own share and has moved on.
     dropped = next(n for n in _written_by(f"{root}/step0", 1) if n.startswith("shared."))
     state = _state(rank, 1, 2)
     if rank == 1:
         del state["shared"][dropped.removeprefix("shared.")]
-    handle = saver.save(state, f"{root}/step1")
+    # Rank 1 waits in save() for its part of the plan, so it raises there; rank 0 on wait().
     with pytest.raises(
         shardpoint.CheckpointError, match="cannot be completed from what was staged"
     ):
-        handle.wait()
+        saver.save(state, f"{root}/step1").wait()
+    torch.distributed.barrier()  # rank 0 has cleaned up
     assert not (Path(root) / "step1").exists() or not any((Path(root) / "step1").iterdir())
     # The next save agrees first, and commits.
     saver.save(_state(rank, 2, 2), f"{root}/step2").wait()
     saver.close()
 
 
-def test_a_background_save_that_cannot_be_completed_from_its_copies_fails_cleanly(tmp_path):
+def test_a_background_save_that_cannot_be_completed_around_what_was_staged_fails_cleanly(tmp_path):
     """The one case a structure change costs a background checkpoint: a replicated
     chunk whose cached writer no longer holds it, held only by ranks that staged their
     own share. Every rank's handle says so, nothing of it is left, the checkpoint

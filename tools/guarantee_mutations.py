@@ -360,19 +360,19 @@ MUTATIONS = [
         "    speculative = cached is not None\n",
         "    speculative = cached is not None and not staged\n",
         (
-            BACKGROUND + "test_an_unchanged_background_save_has_one_collective_and_a_change_is_"
-            "saved_from_copies",
+            BACKGROUND + "test_an_unchanged_background_save_has_one_collective_and_a_changed_"
+            "rank_waits_for_its_part",
         ),
     ),
     Mutation(
-        "a changed rank stages no copy",
+        "a changed background rank does not wait for its plan",
         "a background save holds the state at the call",
         "src/shardpoint/saving.py",
-        '            local = {name: t.to("cpu", copy=True) for name, t in local.items()}\n',
-        "            pass\n",
+        "    if staging is not None and plan.unsettled and plan.error is None:\n",
+        "    if False:\n",
         (
-            BACKGROUND + "test_an_unchanged_background_save_has_one_collective_and_a_change_is_"
-            "saved_from_copies",
+            BACKGROUND + "test_an_unchanged_background_save_has_one_collective_and_a_changed_"
+            "rank_waits_for_its_part",
         ),
     ),
     Mutation(
@@ -382,8 +382,8 @@ MUTATIONS = [
         "        if again and plan.staged:  # the steady ranks' files stay",
         "        if again and plan.staged and False:  # the steady ranks' files stay",
         (
-            BACKGROUND + "test_an_unchanged_background_save_has_one_collective_and_a_change_is_"
-            "saved_from_copies",
+            BACKGROUND + "test_an_unchanged_background_save_has_one_collective_and_a_changed_"
+            "rank_waits_for_its_part",
         ),
     ),
     Mutation(
@@ -393,8 +393,8 @@ MUTATIONS = [
         "            if any(key in c for c in held_by):\n",
         "            if False:\n",
         (
-            BACKGROUND + "test_a_background_save_that_cannot_be_completed_from_its_copies_fails_"
-            "cleanly",
+            BACKGROUND + "test_a_background_save_that_cannot_be_completed_around_what_was_staged_"
+            "fails_cleanly",
         ),
     ),
     Mutation(
@@ -405,7 +405,7 @@ MUTATIONS = [
         "    return pieces\n",
         (
             BACKGROUND + "test_a_background_save_in_which_every_rank_changed_is_planned_again_"
-            "from_copies",
+            "at_the_call",
             "tests/test_node_local_copies.py::"
             "test_a_background_per_node_save_whose_structure_changed_keeps_each_nodes_copy",
         ),
@@ -447,8 +447,8 @@ MUTATIONS = [
         "a failed lock kept by a background save",
         "earlier checkpoints and other saves are never damaged (speculative writes)",
         "src/shardpoint/saving.py",
-        "        elif unsettled and commit_ is not None:\n",
-        "        elif unsettled and commit_ is not None and not staged:\n",
+        "        if unsettled and own_error is not None and commit_ is not None:\n",
+        "        if unsettled and own_error is not None and commit_ and not staged:\n",
         (
             "tests/test_speculative_saves.py::"
             "test_an_unchanged_save_into_a_committed_checkpoint_writes_nothing_there[background]",

@@ -174,6 +174,36 @@ def _run_phases(
 ) -> Callable[[], SaveInfo]:
     """Plan, lay out and write (or stage); returns the commit, to call."""
     plan = plan_save(state, storage, options, group=group, staged=staging is not None)
+    written, references = _write_phase(plan, options, staging)
+    if staging is not None and plan.unsettled and plan.error is None:
+        # A background save this rank cannot write with the cached plan (its structure
+        # changed, or a leftover holds a name it needs). The caller must not move on
+        # before its part is staged, and copying all it holds could take more memory
+        # than the host has (every rank of a DDP job changes when the optimizer's
+        # state appears): it waits here for the commit's *again* and the plan made
+        # around what the other ranks wrote, then stages its part of that.
+        plan = _plan_unsettled_again(plan, options)
+        written, references = _write_phase(plan, options, staging)
+
+    def finish() -> SaveInfo:
+        result = _with_references(written(), *references)
+        try:
+            return commit(plan, result, options.metadata, start=start)
+        except _Unsettled as again:
+            if again.written is None:
+                raise  # run_save saves again, from the live state
+            job = _plan_again(plan, again.written, again.kept, options)
+            settled = replace(plan, structures=job.structures, job=job, speculative=False)
+            return commit(settled, again.written, options.metadata, start=start)
+
+    return finish
+
+
+def _write_phase(
+    plan: SavePlan, options: SaveOptions, staging: Staging | None
+) -> tuple[Callable[[], WriteResult], tuple[list[ChunkRecord], dict[str, int]]]:
+    """Lay out and write (or stage) what ``plan`` gives this rank; returns the function
+    that says what was written, and the records of chunks the chain's base holds."""
     written: Callable[[], WriteResult]
     references: tuple[list[ChunkRecord], dict[str, int]] = ([], {})
     try:
@@ -188,10 +218,9 @@ def _run_phases(
                 result = write_from_memory(plan, files, options.threads)
                 written = lambda: result  # noqa: E731
             elif plan.speculative and _taken(plan, files):
-                # A crashed save's leftover holds a name this rank needs. Only the
-                # committing rank may clear it, under its lock, in the round the commit
-                # will call for: until then this rank writes nothing, as a changed one.
-                plan.unsettled, plan.local = True, _copied(plan.local)
+                # A crashed save's leftover holds a name this rank needs: only the
+                # committing rank may clear it, under its lock, on the commit's *again*.
+                plan.unsettled = True
                 result = WriteResult()
                 written = lambda: result  # noqa: E731
             else:
@@ -199,23 +228,7 @@ def _run_phases(
     except Exception as exc:  # any failure must still reach the commit's gather
         failed = WriteResult(error=f"rank {plan.rank}: {exc}")
         written = lambda: failed  # noqa: E731
-
-    def finish() -> SaveInfo:
-        result = _with_references(written(), *references)
-        try:
-            return commit(plan, result, options.metadata, start=start)
-        except _Unsettled as again:
-            if again.written is None:
-                raise  # run_save saves again, from the live state
-            return _save_staged_again(plan, again.written, again.kept, options, start)
-
-    return finish
-
-
-def _copied(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Host copies of a rank's tensors, for a background save to write after the caller
-    has moved on."""
-    return {name: t.to("cpu", copy=True) for name, t in local.items()}
+    return written, references
 
 
 def _taken(plan: SavePlan, files: list[ShardFile]) -> bool:
@@ -286,9 +299,9 @@ class SavePlan:
     speculative: bool = False
     unsettled: bool = False
     error: str | None = None  # why this (unsettled) rank could not save
-    # A background save: the caller has moved on, so a save that must run again
-    # (``_save_staged_again``) keeps the files the steady ranks wrote, and a rank whose
-    # structure changed writes from the copy of all it holds (``local``) it made.
+    # A background save: the caller has moved on, so a save that must run again keeps
+    # the files the steady ranks wrote, and a rank that wrote nothing (``unsettled``)
+    # waits for the plan around them before it stages (``_plan_unsettled_again``).
     staged: bool = False
     own_structure: _RankStructure | None = None  # this rank's, as planned
     cache_key: tuple[Any, ...] = ()  # where its plan is cached (``_PLANS``)
@@ -403,8 +416,9 @@ def plan_save(
 
     ``staged`` (a background save) stages device tensors itself (they are not copied
     to the host here) and speculates too, but cannot write again once the caller has
-    moved on: a rank whose structure changed copies all it holds here, and when the
-    commit says *again* the steady ranks keep what they wrote (``_save_staged_again``).
+    moved on: when the commit says *again* the steady ranks keep what they wrote, and a
+    rank whose structure changed waits for its part of a plan made around them
+    (``_run_phases``).
     """
     me = dist.rank()
     commits = me == 0 or (options.per_node and dist.is_node_leader())
@@ -456,11 +470,7 @@ def plan_save(
     if speculative:
         assert cached is not None
         unsettled = own_error is not None or own != cached.own
-        if unsettled and staged and own_error is None:
-            # The plan that follows may give this rank any of its holdings to write,
-            # after the caller has moved on: copy them all now.
-            local = _copied(local)
-        elif unsettled and commit_ is not None:
+        if unsettled and own_error is not None and commit_ is not None:
             # Not this save's directory to clean (its lock may be another writer's, its
             # files a committed checkpoint's); a synchronous save's agreed round takes
             # the lock again.
@@ -534,7 +544,7 @@ def _agree_and_plan(
     of the directory.
 
     ``staged``: the plan of a background save that must run again
-    (``_save_staged_again``): whether this rank is steady, and the writes of its
+    (``_plan_again``): whether this rank is steady, and the writes of its
     cached plan, which rank 0 plans around (``_writes_around_staged``)."""
     me = dist.rank()
     replicated = [h for h in mine.holdings if h.replicated]
@@ -852,19 +862,39 @@ def commit(
             plan.release()
 
 
-def _save_staged_again(
-    plan: SavePlan,
-    kept: WriteResult,
-    every_kept: list[str] | None,
-    options: SaveOptions,
-    start: float,
-) -> SaveInfo:
-    """A background save some of whose ranks changed structure or found a crashed
-    save's leftover in their way (they wrote nothing and copied all they hold; the
-    steady ranks wrote their cached share): the committing ranks clear leftovers but
-    the files written (``every_kept``, from rank 0), then rank 0 plans around those
-    (``_writes_around_staged``), the other ranks write their part from their copies,
-    and the save commits. Runs on the background thread, on every rank."""
+def _plan_unsettled_again(plan: SavePlan, options: SaveOptions) -> SavePlan:
+    """A background save's rank that wrote nothing (``_run_phases``), on the caller's
+    thread: its round of the commit (the others' on their background threads, once
+    their speculative files are durable) says *again*; returns its part of the plan
+    made around what the others wrote, to stage. A final failure raises here."""
+    try:
+        commit(plan, WriteResult(), options.metadata, start=time.perf_counter())
+    except _Unsettled as again:
+        job = _plan_again(plan, WriteResult(), again.kept, options)
+    else:  # pragma: no cover - rank 0 never commits a plan a rank did not write
+        raise AssertionError("a save committed without an unsettled rank's part")
+    me = plan.rank
+    assert plan.own_structure is not None
+    own = [Piece(h.name, h.offsets, h.shape, me, h) for h in plan.own_structure.holdings]
+    pieces = [p for p in own if _writes(p.source, me)] + job.pieces
+    return replace(
+        plan,
+        structures=job.structures,
+        pieces=pieces,
+        job=job,
+        speculative=False,
+        unsettled=False,
+    )
+
+
+def _plan_again(
+    plan: SavePlan, kept: WriteResult, every_kept: list[str] | None, options: SaveOptions
+) -> _JobPlan:
+    """Every rank, after a background save's *again* (a steady rank on its background
+    thread, an unsettled one on the caller's): the committing ranks clear leftovers but
+    the files written (``every_kept``, from rank 0), then rank 0 plans around what the
+    steady ranks wrote (``_writes_around_staged``), and every rank caches that plan.
+    On a failure every rank removes what it wrote and raises."""
     mine = plan.own_structure
     assert mine is not None and plan.job is not None
     cleared: Exception | None = None  # why a committing rank could not clear
@@ -899,19 +929,7 @@ def _save_staged_again(
             "nothing was committed and earlier checkpoints are untouched"
         ) from exc
     _PLANS[plan.cache_key] = job
-    again = replace(plan, structures=job.structures, job=job, speculative=False, unsettled=False)
-    result = kept
-    if plan.unsettled:  # it wrote nothing: its part, from the copy of all it held
-        me = plan.rank
-        own = [Piece(h.name, h.offsets, h.shape, me, h) for h in mine.holdings]
-        again.pieces = [p for p in own if _writes(p.source, me)] + job.pieces
-        try:
-            references = _refer_to_unchanged(again, options.chain) if options.chain else ([], {})
-            files = lay_out(again, options.max_shard_size, zero_copy=True)
-            result = _with_references(write_from_memory(again, files, options.threads), *references)
-        except Exception as exc:  # reaches the commit's gather, as any failure does
-            result = WriteResult(error=f"rank {me}: {exc}")
-    return commit(again, result, options.metadata, start=start)
+    return job
 
 
 def _commit(
