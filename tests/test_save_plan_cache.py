@@ -298,10 +298,10 @@ def test_an_unchanged_background_save_has_one_collective_and_a_changed_rank_wait
 ):
     """A background save speculates like a synchronous one: with its structure unchanged
     its only collective is the commit's gather and outcome. When rank 1's structure
-    changes, it writes nothing and waits in save(): the commit's *again* keeps what
-    rank 0 wrote, and rank 1 stages its part of a plan made around it before its
-    caller moves on, so the checkpoint holds the state at the call, not the bumped
-    one."""
+    changes, it writes nothing and copies all it holds (it fits in its staging pool)
+    before its caller moves on; the commit's *again* keeps what rank 0 wrote, and rank
+    1 writes its part of a plan made around it from that copy, so the checkpoint holds
+    the state at the call, not the bumped one."""
     run_ranks(2, _background_saves, str(tmp_path))
     kinds = json.loads((tmp_path / "collectives.json").read_text())
     first = ["gather_distinct_json", "scatter_plan", "gather_json", "broadcast_json"]
@@ -335,10 +335,56 @@ def _grown_background_saves(rank: int, world: int, root: str) -> None:
     saver.close()
 
 
+def _large_change_saves(rank: int, world: int, root: str) -> None:
+    from shardpoint import saving
+
+    waited = []
+    real = saving._plan_unsettled_again
+
+    def recording(plan, options):
+        waited.append(True)
+        return real(plan, options)
+
+    saving._plan_unsettled_again = recording
+    saver = shardpoint.AsyncSaver()
+    for step in range(3):
+        state = _large_state(rank, step)
+        handle = saver.save(state, f"{root}/step{step}")
+        _bump(state)
+        handle.wait()
+    saver.close()
+    with open(f"{root}/waited{rank}.json", "w") as f:
+        json.dump(len(waited), f)
+
+
+def _large_state(rank: int, step: int) -> dict:
+    """24 MB the ranks share (each writes half: one 16 MB staging slot holds it) and a
+    tensor of rank 1's own that grows at step 2."""
+    torch.manual_seed(step)
+    shared = {"a": torch.randn(3_000_000), "b": torch.randn(3_000_000)}
+    rows = 5 if rank == 1 and step == 2 else 2
+    return {"shared": shared, "own": {str(rank): torch.full((rows, 3), float(rank + step))}}
+
+
+def test_a_changed_rank_whose_state_exceeds_its_staging_pool_waits_for_its_part(tmp_path):
+    """Rank 1 changes, and all it holds (24 MB) is more than its staging pool (16 MB):
+    instead of a host copy of all of it, it waits in save() for the plan made around
+    what rank 0 wrote and stages its part; the checkpoint holds the state at the call."""
+    run_ranks(2, _large_change_saves, str(tmp_path))
+    assert [json.loads((tmp_path / f"waited{r}.json").read_text()) for r in (0, 1)] == [0, 1]
+    for step in range(3):
+        expected = _large_state(1, step)
+        assert shardpoint.verify(tmp_path / f"step{step}").ok
+        with shardpoint.open(tmp_path / f"step{step}") as ckpt:
+            for name in ("a", "b"):
+                assert torch.equal(ckpt.get(f"shared.{name}"), expected["shared"][name])
+            assert torch.equal(ckpt.get("own.1"), expected["own"]["1"])
+
+
 def test_a_background_save_in_which_every_rank_changed_is_planned_again_at_the_call(tmp_path):
     """No rank is steady: the cached pieces of the reshaped tensor are dropped (no rank
     holds that chunk any more), the rest stay with their writers, and the new tensor
-    is planned among the ranks; both stage their parts before save() returns."""
+    is planned among the ranks, each writing from the copy it made at the call."""
     run_ranks(2, _grown_background_saves, str(tmp_path))
     for step in range(4):
         expected = _grown_state(0, step)
@@ -372,7 +418,6 @@ def _dropping_background_saves(rank: int, world: int, root: str) -> None:
     state = _state(rank, 1, 2)
     if rank == 1:
         del state["shared"][dropped.removeprefix("shared.")]
-    # Rank 1 waits in save() for its part of the plan, so it raises there; rank 0 on wait().
     with pytest.raises(
         shardpoint.CheckpointError, match="cannot be completed from what was staged"
     ):

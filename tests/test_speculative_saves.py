@@ -145,7 +145,7 @@ def test_an_unchanged_save_onto_a_crashed_saves_leftovers_commits_and_clears_the
     speculative write refuses the names that are there, every rank saves again agreed
     first — rank 0 clears the leftovers under the lock — and the checkpoint commits,
     holding nothing but its own files. In the background rank 1 sees its name taken
-    before it stages: it waits in save() and stages its part once rank 0 has cleared,
+    before it stages: it copies what it holds, writes its part once rank 0 has cleared,
     rank 0 keeping what it wrote."""
     step2 = tmp_path / "step2"
     step2.mkdir()

@@ -365,7 +365,7 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "a changed background rank does not wait for its plan",
+        "a changed background rank neither copies nor waits",
         "a background save holds the state at the call",
         "src/shardpoint/saving.py",
         "    if staging is not None and plan.unsettled and plan.error is None:\n",
@@ -373,6 +373,30 @@ MUTATIONS = [
         (
             BACKGROUND + "test_an_unchanged_background_save_has_one_collective_and_a_changed_"
             "rank_waits_for_its_part",
+            BACKGROUND + "test_a_changed_rank_whose_state_exceeds_its_staging_pool_waits_for_"
+            "its_part",
+        ),
+    ),
+    Mutation(
+        "a changed rank's copy not made",
+        "a background save holds the state at the call",
+        "src/shardpoint/saving.py",
+        '            plan.local = {name: t.to("cpu", copy=True) for',
+        "            plan.local = {name: t for",
+        (
+            BACKGROUND + "test_an_unchanged_background_save_has_one_collective_and_a_changed_"
+            "rank_waits_for_its_part",
+        ),
+    ),
+    Mutation(
+        "a changed rank copies whatever it holds",
+        "a background save's memory stays within its staging pool",
+        "src/shardpoint/saving.py",
+        "        if held <= staging.spare_bytes():\n",
+        "        if True:\n",
+        (
+            BACKGROUND + "test_a_changed_rank_whose_state_exceeds_its_staging_pool_waits_for_"
+            "its_part",
         ),
     ),
     Mutation(

@@ -325,6 +325,11 @@ class Stager:
             1, "shardpoint-hash", initializer=lower_priority, initargs=(nice,)
         )
 
+    def spare_bytes(self) -> int:
+        """What the staging pool already holds: a rank that must copy all it holds
+        after a change does so only within it (``saving._run_phases``)."""
+        return self.pool.nbytes
+
     def stage(self, plan: SavePlan, files: list[ShardFile]) -> Callable[[], WriteResult]:
         """Copy every file's bytes into pool slots (this thread) while writer threads
         write them out; returns the function that waits for the writes. Never raises:

@@ -143,6 +143,7 @@ class Staging(Protocol):
     caller's thread and writes them on background threads."""
 
     def stage(self, plan: SavePlan, files: list[ShardFile]) -> Callable[[], WriteResult]: ...
+    def spare_bytes(self) -> int: ...
 
 
 def run_save(
@@ -177,13 +178,26 @@ def _run_phases(
     written, references = _write_phase(plan, options, staging)
     if staging is not None and plan.unsettled and plan.error is None:
         # A background save this rank cannot write with the cached plan (its structure
-        # changed, or a leftover holds a name it needs). The caller must not move on
-        # before its part is staged, and copying all it holds could take more memory
-        # than the host has (every rank of a DDP job changes when the optimizer's
-        # state appears): it waits here for the commit's *again* and the plan made
-        # around what the other ranks wrote, then stages its part of that.
-        plan = _plan_unsettled_again(plan, options)
-        written, references = _write_phase(plan, options, staging)
+        # changed, or a leftover holds a name it needs), and the caller must not move
+        # on before what it may have to write is copied. If all it holds fits in what
+        # its staging pool already takes, it copies it and returns; the rest of the
+        # save runs in the background. Otherwise (every rank of a DDP job changes when
+        # its optimizer's state first appears: a replica per rank could exhaust the
+        # host's memory) it waits here for the plan and stages its part of it.
+        held = sum(t.numel() * t.element_size() for t in plan.local.values())
+        if held <= staging.spare_bytes():
+            plan.local = {name: t.to("cpu", copy=True) for name, t in plan.local.items()}
+        else:
+            try:
+                plan = _plan_unsettled_again(plan, options)
+            except Exception as exc:  # through the handle, as on the other ranks
+                failure = exc
+
+                def failed() -> SaveInfo:
+                    raise failure
+
+                return failed
+            written, references = _write_phase(plan, options, staging)
 
     def finish() -> SaveInfo:
         result = _with_references(written(), *references)
@@ -193,8 +207,12 @@ def _run_phases(
             if again.written is None:
                 raise  # run_save saves again, from the live state
             job = _plan_again(plan, again.written, again.kept, options)
-            settled = replace(plan, structures=job.structures, job=job, speculative=False)
-            return commit(settled, again.written, options.metadata, start=start)
+            if not plan.unsettled:  # what it wrote is its part of the new plan
+                settled = replace(plan, structures=job.structures, job=job, speculative=False)
+                return commit(settled, again.written, options.metadata, start=start)
+            settled = _part_of(plan, job)  # from the copy it made
+            done, refs = _write_phase(settled, options, None)
+            return commit(settled, _with_references(done(), *refs), options.metadata, start=start)
 
     return finish
 
@@ -249,13 +267,13 @@ def _refer_to_unchanged(
     plan.chain = chain
     base = chain.base_for(plan.storage.root)
     if not base:  # the chain's first save: every chunk may stay unchanged
-        plan.identify = {id(p) for p in plan.pieces}
+        plan.identify, plan.referred = {id(p) for p in plan.pieces}, []
         return [], {}
     split = unchanged(base, plan.pieces, lambda p: _piece_data(p, plan.local[p.name]), plan.tokens)
     # Referenced files must still be there (someone may have deleted the base by hand):
     # if one is not, this save writes everything.
     if any(plan.storage.size(f) != size for f, size in split.files.items()):
-        plan.identify = {id(p) for p in plan.pieces}
+        plan.identify, plan.referred = {id(p) for p in plan.pieces}, []
         return [], {}
     plan.pieces, plan.referred, plan.identify = split.to_write, split.referred, split.identify
     return split.records, split.files
@@ -870,9 +888,13 @@ def _plan_unsettled_again(plan: SavePlan, options: SaveOptions) -> SavePlan:
     try:
         commit(plan, WriteResult(), options.metadata, start=time.perf_counter())
     except _Unsettled as again:
-        job = _plan_again(plan, WriteResult(), again.kept, options)
-    else:  # pragma: no cover - rank 0 never commits a plan a rank did not write
-        raise AssertionError("a save committed without an unsettled rank's part")
+        return _part_of(plan, _plan_again(plan, WriteResult(), again.kept, options))
+    raise AssertionError("a save committed without an unsettled rank's part")
+
+
+def _part_of(plan: SavePlan, job: _JobPlan) -> SavePlan:
+    """An unsettled rank's plan for its part of ``job``: its own shards and its share
+    of the replicated chunks."""
     me = plan.rank
     assert plan.own_structure is not None
     own = [Piece(h.name, h.offsets, h.shape, me, h) for h in plan.own_structure.holdings]
