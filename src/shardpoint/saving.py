@@ -319,7 +319,7 @@ class SavePlan:
     error: str | None = None  # why this (unsettled) rank could not save
     # A background save: the caller has moved on, so a save that must run again keeps
     # the files the steady ranks wrote, and a rank that wrote nothing (``unsettled``)
-    # waits for the plan around them before it stages (``_plan_unsettled_again``).
+    # copied what it holds or waited for its part of the new plan (``_run_phases``).
     staged: bool = False
     own_structure: _RankStructure | None = None  # this rank's, as planned
     cache_key: tuple[Any, ...] = ()  # where its plan is cached (``_PLANS``)
@@ -435,8 +435,8 @@ def plan_save(
     ``staged`` (a background save) stages device tensors itself (they are not copied
     to the host here) and speculates too, but cannot write again once the caller has
     moved on: when the commit says *again* the steady ranks keep what they wrote, and a
-    rank whose structure changed waits for its part of a plan made around them
-    (``_run_phases``).
+    rank whose structure changed writes its part of a plan made around them, from a
+    copy or staged after waiting for it (``_run_phases``).
     """
     me = dist.rank()
     commits = me == 0 or (options.per_node and dist.is_node_leader())
