@@ -447,7 +447,7 @@ def plan_save(
     # re-initialized process group (an in-process restart, which may bring a new
     # process with nothing cached) starts without plans on every rank.
     for stale in [k for k in list(_PLANS) if k[0] != generation]:  # (the commit thread adds)
-        del _PLANS[stale]
+        _PLANS.pop(stale, None)
     cached = _PLANS.get(cache_key) if dist.is_distributed() else None
     speculative = cached is not None
     # A rank that fails before the collective still joins it, with its error, so that
@@ -1032,7 +1032,7 @@ def _commit(
         _forget(plan.job)  # every rank got this outcome: the next save is agreed first
         again = isinstance(outcome, dict)
         if again and plan.staged:  # the steady ranks' files stay: planned around, below
-            kept = sorted({f for r in results or () for f in r.files}) if results else None
+            kept = sorted({f for r in results for f in r.files}) if results else None
             raise _Unsettled(outcome["again"], result, kept)
         # Only the committing rank removes the directory: another rank's files may still
         # be in flight when a fast-failing rank gets here. Each rank removes only the
