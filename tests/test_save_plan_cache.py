@@ -325,14 +325,19 @@ def _grown_state(rank: int, step: int) -> dict:
     return state
 
 
-def _grown_background_saves(rank: int, world: int, root: str) -> None:
+def _save_and_bump(rank: int, root: str, steps: int, make_state) -> None:
+    """Background saves of ``make_state(rank, step)``, each bumped once save returned."""
     saver = shardpoint.AsyncSaver()
-    for step in range(4):
-        state = _grown_state(rank, step)
+    for step in range(steps):
+        state = make_state(rank, step)
         handle = saver.save(state, f"{root}/step{step}")
         _bump(state)
         handle.wait()
     saver.close()
+
+
+def _grown_background_saves(rank: int, world: int, root: str) -> None:
+    _save_and_bump(rank, root, 4, _grown_state)
 
 
 def _large_change_saves(rank: int, world: int, root: str) -> None:
@@ -346,13 +351,7 @@ def _large_change_saves(rank: int, world: int, root: str) -> None:
         return real(plan, options)
 
     saving._plan_unsettled_again = recording
-    saver = shardpoint.AsyncSaver()
-    for step in range(3):
-        state = _large_state(rank, step)
-        handle = saver.save(state, f"{root}/step{step}")
-        _bump(state)
-        handle.wait()
-    saver.close()
+    _save_and_bump(rank, root, 3, _large_state)
     with open(f"{root}/waited{rank}.json", "w") as f:
         json.dump(len(waited), f)
 
