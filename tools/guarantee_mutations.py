@@ -471,8 +471,8 @@ MUTATIONS = [
         "a failed lock kept by a background save",
         "earlier checkpoints and other saves are never damaged (speculative writes)",
         "src/shardpoint/saving.py",
-        "        if unsettled and own_error is not None and commit_ is not None:\n",
-        "        if unsettled and own_error is not None and commit_ and not staged:\n",
+        "        if own_error is not None and commit_ is not None:\n",
+        "        if own_error is not None and commit_ is not None and not staged:\n",
         (
             "tests/test_speculative_saves.py::"
             "test_an_unchanged_save_into_a_committed_checkpoint_writes_nothing_there[background]",

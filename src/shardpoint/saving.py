@@ -485,10 +485,11 @@ def plan_save(
             storage.prepare(durable=False)  # the committing rank's makes it durable
     except Exception as exc:
         own_error = exc
+    structure = _RankStructure(own, holdings, aliases, sharded)
     if speculative:
         assert cached is not None
         unsettled = own_error is not None or own != cached.own
-        if unsettled and own_error is not None and commit_ is not None:
+        if own_error is not None and commit_ is not None:
             # Not this save's directory to clean (its lock may be another writer's, its
             # files a committed checkpoint's); a synchronous save's agreed round takes
             # the lock again.
@@ -496,7 +497,7 @@ def plan_save(
             commit_ = None
     else:
         cached = _agree_and_plan(
-            _RankStructure(own, holdings, aliases, sharded),
+            structure,
             own_error,
             commit_,
             storage.where,
@@ -528,7 +529,7 @@ def plan_save(
         unsettled=unsettled,
         error=f"rank {me}: {own_error}" if own_error is not None else None,
         staged=staged,
-        own_structure=_RankStructure(own, holdings, aliases, sharded),
+        own_structure=structure,
         cache_key=cache_key,
     )
 
