@@ -338,3 +338,70 @@ def test_two_of_many_chunks_that_overlap_are_refused(entry):
     chunks.pop()  # and one box missing
     with pytest.raises(CorruptCheckpointError, match="do not cover"):
         parse_index(json.dumps(doc).encode(), "index.json")
+
+
+def _many_tensor_index() -> bytes:
+    """A version 2 index of MANY unsharded tensors, each stored whole as one chunk (their
+    chunks are checked together, on arrays): 0-d, empty, 1-d, 2-d, one of many row blocks."""
+    shapes = [(), (0, 3), (5,), (4, 3), (300, 2)]
+    entries, at = {}, 512
+    for i in range(MANY):
+        shape = shapes[i % len(shapes)]
+        rows = shape[0] if shape else 1
+        nbytes = 4 * math.prod(shape)
+        chunk = Chunk(
+            "rank00000-00000.safetensors",
+            f"t{i}",
+            (0,) * len(shape),
+            shape,
+            (at, at + nbytes),
+            128,
+            ("0123456789abcdef",) * max(1, -(-rows // 128)),
+        )
+        entries[f"t{i}"] = TensorEntry(f"t{i}", "F32", shape, (chunk,))
+        at += nbytes
+    tree = {"dict": [[n, {"tensor": n}] for n in entries]}
+    files = {"rank00000-00000.safetensors": at}
+    return Index(files, entries, {}, tree, "2026-01-01T00:00:00+00:00", "0", 1).to_json()
+
+
+def test_an_index_of_many_whole_tensors_parses_as_written():
+    index = parse_index(_many_tensor_index(), "index.json")
+    assert len(index.entries) == MANY
+    _assert_consistent(index)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_any_value_in_an_index_of_many_whole_tensors_gives_a_typed_error_or_a_consistent_index(
+    data,
+):
+    _edit_and_parse(_many_tensor_index(), data)
+
+
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (_chunk_edit("file", "rank99999-00000.safetensors"), "not listed in files"),
+        (_chunk_edit("offsets", [0]), "offsets of .* one per dimension"),
+        (_chunk_edit("offsets", [0, 1]), "lies outside its shape"),
+        (lambda c: c["byte_range"].__setitem__(1, c["byte_range"][1] + 4), "byte_range"),
+        (lambda c: c["byte_range"].__setitem__(0, c["byte_range"][0] - 4), "byte_range"),
+        (lambda c: c.update(byte_range=[10**9, 10**9 + _length(c)]), "size of rank"),
+        (lambda c: c["checksums"].append("0123456789abcdef"), "malformed checksums"),
+        (lambda c: c["checksums"].__setitem__(0, "0123456789ABCDEF"), "malformed checksums"),
+        (_chunk_edit("block_rows", 1), "malformed checksums"),
+    ],
+    ids=[
+        "unlisted-file", "short-offsets", "outside", "byte-range-end", "byte-range-begin",
+        "past-the-file", "extra-checksum", "upper-case-hex", "block-rows",
+    ],
+)  # fmt: skip
+def test_a_bad_whole_tensor_chunk_among_many_is_named(edit, why):
+    """The chunk of entry t38 (a [4, 3] tensor, one of MANY checked together) broken:
+    the error names it as a check of that entry alone would."""
+    doc = json.loads(_many_tensor_index())
+    edit(doc["tensors"]["t38"]["chunks"][0])
+    with pytest.raises(CorruptCheckpointError, match=f"^index.json: .*{why}") as err:
+        parse_index(json.dumps(doc).encode(), "index.json")
+    assert "'t38'" in str(err.value)
