@@ -111,6 +111,22 @@ def test_unsupported_trainer_arguments_are_refused_by_name(tmp_path):
         ShardpointTrainer(model=model, args=args)
 
 
+@pytest.mark.parametrize("limit, kept", [(None, None), (0, None), (2, 2)])
+def test_the_trainers_save_total_limit_is_the_retention(tmp_path, limit, kept):
+    """As the Trainer reads ``save_total_limit``: unset (or <= 0) deletes no checkpoint."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from shardpoint.integrations.transformers import ShardpointTrainer
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", save_total_limit=limit
+    )
+    trainer = ShardpointTrainer(model=model, args=args)
+    assert trainer.checkpoints.retention.keep_last == kept
+    assert trainer.checkpoints.directory == tmp_path / "checkpoints"
+
+
 def test_a_finished_run_started_again_trains_no_further_step(tmp_path, reference):
     """The Trainer alone, resumed from its last checkpoint at ``max_steps`` (40 is not a
     whole number of epochs), trains a step 41 (measured with its own checkpoints)."""

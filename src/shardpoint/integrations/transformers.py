@@ -76,10 +76,10 @@ class ShardpointTrainer(Trainer):
                 "turn it off, or use CheckpointManager with TrainState in your own loop"
             )
         if checkpoints is None:
-            keep = self.args.save_total_limit
+            keep = self.args.save_total_limit  # as the Trainer reads it: unset or <= 0 keeps all
             checkpoints = CheckpointManager(
                 Path(self.args.output_dir) / "checkpoints",
-                retention=RetentionPolicy(keep_last=keep) if keep else None,
+                retention=RetentionPolicy(keep_last=keep if keep and keep > 0 else None),
             )
         self.checkpoints = checkpoints
         self._resumed: _Resumed | None = None
