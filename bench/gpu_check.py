@@ -480,7 +480,8 @@ def check_pg_save_load(args: argparse.Namespace, root: Path) -> Figures:
     info = handle.wait()
     fig["async_stall_s"] = handle.stall_seconds
     fig["async_persist_s"] = info.seconds
-    bg_group = getattr(sp_dist, "_BACKGROUND_GROUP", None)
+    saver = getattr(background_save, "_DEFAULT_SAVER", None)
+    bg_group = getattr(saver, "_group", None)
     if bg_group is not None:
         fig["background_group_backend"] = str(dist.get_backend(bg_group))
     dest = fresh_like(state, device)

@@ -357,6 +357,48 @@ def test_two_rank_async_save_commits_only_when_both_ranks_finished(tmp_path, fai
     assert (tmp_path / "ckpt" / MARKER_NAME).exists() == (fail_rank == -1)
 
 
+def _two_savers_in_flight(rank: int, world: int, root: str) -> None:
+    import time
+
+    root_path = Path(root)
+    release = root_path / "release"
+    if rank == 1:  # rank 1's writes of checkpoint "a" wait: its "b" commits first there
+        real = direct_io.pwrite_all
+
+        def pwrite_all(fd, data, offset):  # noqa: ANN001, ANN202
+            while "/a/" in os.readlink(f"/proc/self/fd/{fd}") and not release.exists():
+                time.sleep(0.01)
+            return real(fd, data, offset)
+
+        direct_io.pwrite_all = pwrite_all
+    first, second = AsyncSaver(), AsyncSaver()
+    state_a, state_b = rank_state(rank), rank_state(rank + 7)
+    saved_a = first.save(state_a, root_path / "a")
+    saved_b = second.save(state_b, root_path / "b")
+    if rank == 0:
+        time.sleep(0.5)  # both of rank 0's commit threads are at their gathers by now
+        release.touch()
+    saved_b.wait()
+    saved_a.wait()
+    for path, expected in (("a", state_a), ("b", state_b)):
+        loaded = zeros_like_state(expected)
+        load(loaded, root_path / path, strict=False)
+        assert_states_equal(loaded, expected)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names open files via /proc")
+def test_two_savers_with_saves_in_flight_at_once_commit_each_its_own(tmp_path):
+    """Rank 0 reaches the commit of "a" first, rank 1 that of "b": on one shared group
+    the two commits would pair each other's gathers (and hang, or mix the two)."""
+    from distributed import run_ranks_outcomes
+
+    outcomes = run_ranks_outcomes(
+        2, _two_savers_in_flight, str(tmp_path), errors=tmp_path / "errors", timeout=60
+    )
+    assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
+    assert verify(tmp_path / "a").ok and verify(tmp_path / "b").ok
+
+
 def test_a_continuous_policy_saves_whenever_the_previous_save_has_committed(tmp_path, monkeypatch):
     gate = _gated_writes(monkeypatch)
     manager = CheckpointManager(

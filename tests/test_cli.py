@@ -112,16 +112,31 @@ def test_ls_shows_every_checkpoint_with_its_status(tmp_path, capsys):
     assert "uncommitted" in out and "invalid" in out and "step-000000003" in out
 
 
-def test_verify_of_a_directory_checks_every_checkpoint(tmp_path, capsys):
+def test_verify_of_a_directory_checks_every_committed_checkpoint(tmp_path, capsys):
+    """Committed ones are verified (step 2 is corrupt); an uncommitted one (a save may
+    be running) and a pruned one (files kept for a newer one) are listed as skipped."""
     root = _run_dir(tmp_path / "run")
     assert main(["verify", str(root), "--json"]) == 1
     docs = json.loads(capsys.readouterr().out)
-    assert [d["ok"] for d in docs] == [True, False, True, False]
+    assert [(Path(d["path"]).name, d["ok"]) for d in docs] == [
+        ("step-000000001", True),
+        ("step-000000002", False),
+        ("step-000000003", True),
+    ]
     (root / "step-000000002").rename(tmp_path / "moved")
-    import shutil
-
-    shutil.rmtree(root / "step-000000004")
     assert main(["verify", str(root)]) == 0
+    assert "skipped" in capsys.readouterr().out
+    chain = tmp_path / "chain"
+    incremental = shardpoint.IncrementalChain()
+    state = {"frozen": torch.ones(256, 1024), "w": torch.zeros(3)}  # step 2 refers to step 1
+    for step in (1, 2):
+        state["w"].add_(1.0)
+        shardpoint.save(state, chain / f"step-{step:09d}", incremental=incremental)
+    assert main(["prune", str(chain), "--keep-last", "1"]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(chain)]) == 0
+    out = capsys.readouterr().out
+    assert "step-000000001 (pruned)" in out and "step-000000002: checkpoint is" in out
 
 
 def test_diff_reports_changed_added_removed_and_values(tmp_path, capsys):
@@ -205,18 +220,62 @@ def test_convert_command_between_formats(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "z")]) == 2
 
 
-def test_prune_keeps_the_newest_and_never_touches_uncommitted(tmp_path, capsys):
+def test_prune_keeps_the_newest_and_never_touches_uncommitted_or_invalid(tmp_path, capsys):
     root = _run_dir(tmp_path / "run")
     assert main(["prune", str(root), "--keep-last", "1", "--dry-run", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [Path(p).name for p in doc["deleted"]] == ["step-000000001", "step-000000002"]
+    assert [Path(p).name for p in doc["deleted"]] == ["step-000000001"]
+    assert {Path(p).name: why.split(":")[0] for p, why in doc["left_alone"].items()} == {
+        "step-000000002": "invalid",
+        "step-000000004": "uncommitted",
+    }
     assert (root / "step-000000001").exists()  # dry run
     assert main(["prune", str(root), "--keep-last", "1"]) == 0
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [
+        "step-000000002",
         "step-000000003",
         "step-000000004",
     ]
     assert main(["prune", str(root), "--keep-last", "0"]) == 2
+
+
+def _three_steps(root: Path) -> Path:
+    for step in (1, 2, 3):
+        shardpoint.save({"w": torch.full((3,), float(step))}, root / f"step-{step:09d}")
+    return root
+
+
+def test_prune_keeps_the_newest_checkpoints_that_load(tmp_path, capsys):
+    """An invalid newest step (a truncated shard) is not counted: the newest valid one
+    stays, and the invalid one is left for the user to look at."""
+    root = _three_steps(tmp_path / "run")
+    shard = next((root / "step-000000003").glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    assert main(["prune", str(root), "--keep-last", "1"]) == 0
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000002", "step-000000003"]
+    assert shardpoint.verify(root / "step-000000002").ok
+
+
+def test_prune_never_follows_links_nor_counts_names_that_are_not_steps(tmp_path, capsys):
+    """A ``latest`` link to the newest step, a link to a checkpoint outside the
+    directory, and a copy named ``best``: none is counted, deleted or emptied."""
+    root = _three_steps(tmp_path / "run")
+    outside = tmp_path / "archive" / "step-000000001"
+    assert main(["copy", str(root / "step-000000001"), str(outside)]) == 0
+    (root / "latest").symlink_to("step-000000003")
+    (root / "step-000000000").symlink_to(outside)  # a link named like the oldest step
+    assert main(["copy", str(root / "step-000000001"), str(root / "best")]) == 0
+    capsys.readouterr()
+    assert main(["prune", str(root), "--keep-last", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [Path(p).name for p in doc["deleted"]] == ["step-000000001", "step-000000002"]
+    assert sorted(Path(p).name for p in doc["left_alone"]) == [
+        "best",
+        "latest",
+        "step-000000000",
+    ]
+    for kept in (root / "step-000000003", root / "latest", outside, root / "best"):
+        assert shardpoint.verify(kept).ok, kept
 
 
 def test_report_summarises_the_event_log_and_plots(tmp_path, capsys):

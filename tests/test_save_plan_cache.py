@@ -243,7 +243,7 @@ def _restarted_saves(rank: int, world: int, root: str, port: int, replaced: bool
     torch_dist.destroy_process_group()
     if replaced and rank == 1:  # a new process in its place: nothing of shardpoint's cached
         saving._PLANS.clear()
-        sp_dist._WORLD = sp_dist._CPU_GROUP = sp_dist._BACKGROUND_GROUP = None
+        sp_dist._WORLD = sp_dist._CPU_GROUP = None
     torch_dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )

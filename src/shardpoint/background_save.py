@@ -121,6 +121,8 @@ class AsyncSaver:
         self._in_flight: AsyncSave | None = None
         self._thread: threading.Thread | None = None
         self._stager: Stager | None = None
+        self._group: Any = None
+        self._group_generation = -1  # the process group's generation it was made in
 
     @gc_paused()
     def save(
@@ -148,7 +150,7 @@ class AsyncSaver:
             self._stager = Stager(self.pool, self.threads, self.nice)  # threads kept
         stager = self._stager
         options = SaveOptions(self.max_shard_size, self.threads, metadata, self.per_node, chain)
-        finish = run_save(state, storage, options, stager, group=dist.background_group())
+        finish = run_save(state, storage, options, stager, group=self._own_group())
         assert callable(finish)
         handle = AsyncSave(storage.root, 0.0)
         self._in_flight = handle
@@ -160,6 +162,18 @@ class AsyncSaver:
         self._thread.start()
         handle.stall_seconds = time.perf_counter() - start  # all the caller waited for
         return handle
+
+    def _own_group(self) -> Any:
+        """This saver's gloo group for the collectives its background thread runs: not
+        the training loop's default group, and not another saver's (two savers' saves in
+        flight at once would pair each other's gathers). Made at its first distributed
+        save (a collective, as the save is), again after torch.distributed is
+        re-initialized; None in one process."""
+        if not dist.is_distributed():
+            return None
+        if self._group_generation != dist.generation():
+            self._group, self._group_generation = dist.new_cpu_group(), dist.generation()
+        return self._group
 
     def busy(self) -> bool:
         """Whether a save is still in flight (staged, not yet committed or failed)."""

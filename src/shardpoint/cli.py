@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -291,8 +292,10 @@ def _verify(args: argparse.Namespace) -> int:
     storage = open_storage(root)
     single = not storage.exists() or _looks_like_checkpoint(root)
     paths = [root] if single else _checkpoint_dirs(root)
+    skipped = {} if single else {p: why for p in paths if (why := _not_committed(p))}
+    paths = [p for p in paths if p not in skipped]
     if not paths:
-        raise CheckpointError(f"{root}: no checkpoints here")
+        raise CheckpointError(f"{root}: no committed checkpoints here")
     reports = []
     for path in paths:
         total = 0
@@ -337,7 +340,18 @@ def _verify(args: argparse.Namespace) -> int:
                 console.print(f"         {err}", highlight=False)
         verdict = "[green]valid[/]" if r.ok else "[bold red]CORRUPT or incomplete[/]"
         console.print(f"{r.path}: checkpoint is {verdict}", highlight=False)
+    for path, why in skipped.items():
+        console.print(f"[yellow]skipped[/] {path} ({why})", highlight=False)
     return 0 if ok else 1
+
+
+def _not_committed(path: str) -> str | None:
+    """Why a directory's checkpoint is not one to verify: pruned (files kept for
+    others only) or uncommitted (a save may be running); None if it is committed."""
+    commit = Commit(open_storage(path))
+    if commit.is_committed():
+        return None
+    return "pruned" if commit.is_pruned() else "uncommitted: a save may be running"
 
 
 # ---- diff ---------------------------------------------------------------------------------
@@ -469,13 +483,27 @@ def _prune(args: argparse.Namespace) -> int:
     if args.keep_last < 1:
         raise CheckpointError("--keep-last must be at least 1: prune never deletes them all")
     rows = [_describe(p) for p in _checkpoint_dirs(args.path)]
-    committed = [r for r in rows if r["status"] not in ("uncommitted", "pruned")]
-    keep = {r["path"] for r in committed[-args.keep_last :]}
-    delete = [r for r in committed if r["path"] not in keep]
-    # Files the kept checkpoints refer to (incremental saves) stay, in a pruned
-    # directory; if a kept one cannot be read, every shard file of the deleted ones does.
-    referenced = referenced_files(args.path, [_name(p) for p in keep], None)
-    pruned = [r for r in rows if r["status"] == "pruned"] if referenced is not None else []
+    # Only real step-N directories that load are counted and deleted: a link (it may
+    # lead out of the directory, or to a kept checkpoint), a name that is not a step
+    # (a copy the user named) and an invalid checkpoint are left alone, so the newest
+    # loadable checkpoints are always the ones kept.
+    why_not = {r["path"]: _left_alone_because(r) for r in rows}
+    candidates = [r for r in rows if why_not[r["path"]] is None]  # oldest step first
+    keep = {r["path"] for r in candidates[-args.keep_last :]}
+    delete = [r for r in candidates if r["path"] not in keep]
+    gone = {r["path"] for r in delete}
+    # Files the remaining committed checkpoints refer to (incremental saves) stay, in a
+    # pruned directory; if one of them cannot be read, every shard file of the deleted
+    # ones does.
+    remaining = [
+        _name(r["path"])
+        for r in rows
+        if r["path"] not in gone
+        and r["status"] not in ("uncommitted", "pruned")
+        and not os.path.islink(r["path"])
+    ]
+    referenced = referenced_files(args.path, remaining, None)
+    pruned = [r for r in rows if why_not[r["path"]] == "pruned"] if referenced is not None else []
 
     def kept(path: str) -> set[str]:
         if referenced is not None:
@@ -485,13 +513,13 @@ def _prune(args: argparse.Namespace) -> int:
     keeps = {r["path"]: kept(r["path"]) for r in delete + pruned}
     for r in delete + pruned if not args.dry_run else []:
         Commit(open_storage(r["path"])).delete(keeps[r["path"]])
+    left_alone = {path: why for path, why in why_not.items() if why not in (None, "pruned")}
     doc = {
         "dry_run": args.dry_run,
         "deleted": [r["path"] for r in delete],
         "kept": sorted(keep),
         "kept_for_references": sorted(path for path, files in keeps.items() if files),
-        # An uncommitted directory may be a save in progress: never touched here.
-        "left_alone_uncommitted": [r["path"] for r in rows if r["status"] == "uncommitted"],
+        "left_alone": left_alone,
     }
     if args.json:
         _print_json(doc)
@@ -502,10 +530,25 @@ def _prune(args: argparse.Namespace) -> int:
         console.print(f"[red]{verb}[/] {r['path']}", highlight=False)
     for path in doc["kept_for_references"]:
         console.print(f"[dim]kept the files newer checkpoints refer to in[/] {path}")
-    for path in doc["left_alone_uncommitted"]:
-        console.print(f"[yellow]left alone[/] {path} (uncommitted: a save may be running)")
+    for path, why in left_alone.items():
+        console.print(f"[yellow]left alone[/] {path} ({why})", highlight=False)
     console.print(f"{verb} {len(delete)}, kept {len(keep)}")
     return 0
+
+
+def _left_alone_because(row: dict[str, Any]) -> str | None:
+    """Why prune neither counts nor deletes this checkpoint; None if it may."""
+    if os.path.islink(row["path"]):
+        return "a symbolic link: prune deletes only real directories"
+    if row["status"] == "uncommitted":
+        return "uncommitted: a save may be running"
+    if row["status"] == "pruned":
+        return "pruned"  # its files kept for others are looked at again below
+    if row["step"] is None:
+        return "not a step-N directory: prune counts and deletes only those"
+    if row["status"] != "valid":
+        return f"{row['status']}: look at it with `shardpoint verify`, delete it by hand"
+    return None
 
 
 # ---- report -------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ _SOLO = threading.local()  # per thread: act as a job of one process
 _WORLD: Any = None  # the default group the ones below were made for (held: never reused)
 _GENERATION = 0
 _CPU_GROUP: Any = None
-_BACKGROUND_GROUP: Any = None
 
 
 def is_distributed() -> bool:
@@ -74,10 +73,10 @@ def node_rank() -> int:
 def _follow_world() -> None:
     """Forget the groups made for an earlier default group: a job that re-initializes
     torch.distributed in this process (an in-process restart) has a new one."""
-    global _WORLD, _GENERATION, _CPU_GROUP, _BACKGROUND_GROUP
+    global _WORLD, _GENERATION, _CPU_GROUP
     world = dist.group.WORLD
     if world is not _WORLD:
-        _WORLD, _CPU_GROUP, _BACKGROUND_GROUP = world, None, None
+        _WORLD, _CPU_GROUP = world, None
         _GENERATION += 1
 
 
@@ -105,19 +104,6 @@ def new_cpu_group() -> Any:
     """A gloo group of its own (a collective: every rank calls this at the same point),
     for collectives on a background thread; None in one process."""
     return dist.new_group(backend="gloo") if is_distributed() else None
-
-
-def background_group() -> Any:
-    """A gloo group of its own for background saves, made once (a collective: every rank
-    calls this at the same point). Collectives of a save running on a background thread
-    must not interleave with the training loop's collectives on the default group."""
-    global _BACKGROUND_GROUP
-    if not is_distributed():
-        return None
-    _follow_world()
-    if _BACKGROUND_GROUP is None:
-        _BACKGROUND_GROUP = dist.new_group(backend="gloo")
-    return _BACKGROUND_GROUP
 
 
 def _encoded(value: Any) -> torch.Tensor:
