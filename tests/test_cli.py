@@ -162,6 +162,22 @@ def test_diff_reports_changed_added_removed_and_values(tmp_path, capsys):
     assert "0 added, 0 removed" in capsys.readouterr().out
 
 
+def test_diff_of_tensors_holding_nan_compares_what_is_stored(tmp_path, capsys):
+    nan = float("nan")
+    shardpoint.save(
+        {"w": torch.tensor([1.0, nan]), "h": torch.tensor([nan], dtype=torch.bfloat16)},
+        tmp_path / "a",
+    )
+    shardpoint.save(
+        {"w": torch.tensor([2.0, nan]), "h": torch.tensor([nan], dtype=torch.bfloat16)},
+        tmp_path / "b",
+    )
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "a"), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 1
+    assert [c["name"] for c in json.loads(capsys.readouterr().out)["changed"]] == ["w"]
+
+
 def test_diff_of_a_corrupt_checkpoint_is_an_error(tmp_path, capsys):
     root = _run_dir(tmp_path / "run")
     code = main(["diff", str(root / "step-000000001"), str(root / "step-000000002")])
@@ -218,6 +234,16 @@ def test_convert_command_between_formats(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "out.pt")]) == 0
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], torch.arange(4.0))
     assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "z")]) == 2
+
+
+def test_convert_to_torch_save_never_writes_through_an_existing_name(tmp_path):
+    """A dangling link at the output name is refused (nothing written where it points)
+    and no temporary file is left."""
+    shardpoint.save({"w": torch.arange(4.0)}, tmp_path / "ckpt")
+    (tmp_path / "out.pt").symlink_to(tmp_path / "elsewhere.pt")
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "out.pt")]) == 2
+    assert not (tmp_path / "elsewhere.pt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out.pt"]
 
 
 def test_prune_keeps_the_newest_and_never_touches_uncommitted_or_invalid(tmp_path, capsys):

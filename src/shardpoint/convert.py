@@ -26,6 +26,7 @@ from .errors import CheckpointError
 from .format.index import MARKER_NAME
 from .reader import CheckpointReader
 from .saving import save
+from .storage.direct_io import fsync_directory
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,18 @@ def _shardpoint_to_torch_save(
     with CheckpointReader(source) as reader:
         state = reader.state()  # verified
         tensors = len(reader.keys())
-    tmp = out.with_name(out.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, out)
+    # Durable before it has its name, and never over a file that is there: a new file
+    # of its own (O_EXCL), synced, linked to the name (which refuses an existing one).
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    with open(tmp, "xb") as f:
+        try:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+            os.link(tmp, out)
+        except FileExistsError:
+            raise CheckpointError(f"{out}: already exists; choose a new file name") from None
+        finally:
+            tmp.unlink()
+    fsync_directory(out.parent)
     return Conversion("shardpoint", out, tensors)
