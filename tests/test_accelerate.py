@@ -105,6 +105,28 @@ def test_the_state_holds_what_save_state_saves_and_refuses_two_models(tmp_path):
         accelerator_state(accelerator)
 
 
+def test_what_accelerate_would_save_beyond_the_objects_is_refused_not_dropped(tmp_path):
+    """State pre-hooks (an EMA model saved beside, say) and Accelerate's own checkpoint
+    naming and deletion are not run by shardpoint: asking for them is an error."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    from shardpoint.integrations.accelerate import accelerator_state
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(4, 2))
+    handle = accelerator.register_save_state_pre_hook(lambda models, weights, folder: None)
+    with pytest.raises(ValueError, match="pre-hooks"):
+        accelerator_state(accelerator)
+    handle.remove()
+    accelerator_state(accelerator)
+    naming = ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2
+    )
+    with pytest.raises(ValueError, match="automatic_checkpoint_naming"):
+        accelerator_state(Accelerator(cpu=True, project_config=naming))
+
+
 class _Counter:
     def __init__(self, n: int) -> None:
         self.n = n

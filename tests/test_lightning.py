@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from example_runs import losses, run_example, steps_run
 
 import shardpoint
@@ -160,3 +161,45 @@ def test_a_link_lightning_made_is_replaced_or_removed_and_its_target_kept(tmp_pa
     (tmp_path / "other.ckpt").mkdir()
     with pytest.raises(FileExistsError, match="did not write"):
         io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "other.ckpt")
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, extra: bool, strict_loading: bool) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(2, 2)
+        if extra:
+            self.b = torch.nn.Linear(2, 2)
+        self.strict_loading = strict_loading
+
+
+@pytest.mark.parametrize("strict_loading", [True, False])
+def test_the_model_parallel_strategy_loads_as_strictly_as_the_module_asks(tmp_path, strict_loading):
+    """Lightning loads with ``LightningModule.strict_loading``: a model with a layer the
+    checkpoint lacks loads the rest when it is False, and is refused when it is True."""
+    from shardpoint.integrations.lightning import ShardpointModelParallelStrategy, _EachRank
+    from shardpoint.training.train_state import TrainState
+
+    saved = _Module(extra=False, strict_loading=True)
+    state = {
+        "model": TrainState(model=saved, capture_rng_state=False),
+        "lightning": _EachRank({"epoch": 3}),
+    }
+    shardpoint.save(state, tmp_path / "ckpt")
+    strategy = ShardpointModelParallelStrategy.__new__(ShardpointModelParallelStrategy)
+    strategy._lightning_module = strategy._model = _Module(True, strict_loading)
+    strategy._optimizers = []
+    strategy.broadcast = lambda obj, src=0: obj  # one process, no group
+    if strict_loading:
+        with pytest.raises(shardpoint.StateMismatchError, match="not in the checkpoint|missing"):
+            strategy.load_checkpoint(tmp_path / "ckpt")
+        return
+    assert strategy.load_checkpoint(tmp_path / "ckpt") == {"epoch": 3}
+    assert torch.equal(strategy.model.a.weight, saved.a.weight)
+
+
+def test_the_checkpoint_io_refuses_storage_options_as_lightnings_own_does(tmp_path):
+    from shardpoint.integrations.lightning import ShardpointCheckpointIO
+
+    with pytest.raises(TypeError, match="storage_options"):
+        ShardpointCheckpointIO().save_checkpoint({"epoch": 1}, tmp_path / "x.ckpt", {"a": 1})
+    assert not (tmp_path / "x.ckpt").exists()

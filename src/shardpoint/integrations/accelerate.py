@@ -42,6 +42,22 @@ def accelerator_state(accelerator: Any) -> dict[str, Any]:
         )
     if optimizers and not models:
         raise ValueError("the optimizer needs its model: prepare both with the accelerator")
+    # What Accelerate's own save_state would do beyond these objects: refused, not dropped.
+    hooks = len(accelerator._save_model_state_pre_hook) + len(
+        accelerator._load_model_state_pre_hook
+    )
+    if hooks:
+        raise ValueError(
+            "the accelerator has save/load state pre-hooks, which shardpoint does not run "
+            "(what they save would be lost): register those objects with "
+            "accelerator.register_for_checkpointing instead"
+        )
+    if accelerator.project_configuration.automatic_checkpoint_naming:
+        raise ValueError(
+            "ProjectConfiguration(automatic_checkpoint_naming=True) names and deletes "
+            "Accelerate's own checkpoints; with shardpoint use CheckpointManager (its "
+            "step-N directories and RetentionPolicy(keep_last=total_limit)) and turn it off"
+        )
     custom = accelerator._custom_objects
     not_stateful = [type(obj).__name__ for obj in custom if not is_stateful(obj)]
     if not_stateful:

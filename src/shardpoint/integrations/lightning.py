@@ -72,6 +72,8 @@ class ShardpointCheckpointIO(CheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
     ) -> None:
+        if storage_options is not None:  # as Lightning's own TorchCheckpointIO says
+            raise TypeError("ShardpointCheckpointIO does not take storage_options")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._wait()  # saves switch the link in the order they were made
@@ -196,7 +198,7 @@ class ShardpointModelParallelStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Any = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         state = self._shardpoint_state(None)
-        load(state, path)
+        load(state, path, strict=self.lightning_module.strict_loading)
         return state["lightning"].value
 
     def _shardpoint_state(self, lightning: dict[str, Any] | None) -> dict[str, Any]:
