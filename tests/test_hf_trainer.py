@@ -127,6 +127,42 @@ def test_the_trainers_save_total_limit_is_the_retention(tmp_path, limit, kept):
     assert trainer.checkpoints.directory == tmp_path / "checkpoints"
 
 
+def test_a_preemption_on_an_evaluation_step_is_saved_under_save_strategy_best(tmp_path):
+    """With save_strategy="best" the Trainer sets should_save to "a new best metric"
+    after evaluating; a SIGTERM at a step whose metric is no better is saved all the same."""
+    import os
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+
+    from shardpoint.integrations.transformers import ShardpointTrainer
+
+    class PreemptAtStep3(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            if state.global_step == 2:  # during step 3
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    evaluations = iter(range(100))  # each evaluation worse than the one before
+    data = [{"input_ids": torch.tensor([1, 2, 3, 4]), "labels": torch.tensor([1, 2, 3, 4])}] * 8
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=6,
+        per_device_train_batch_size=2, eval_strategy="steps", eval_steps=1,
+        save_strategy="best", metric_for_best_model="worse", greater_is_better=False,
+    )  # fmt: skip
+    trainer = ShardpointTrainer(
+        model=model, args=args, train_dataset=data, eval_dataset=data[:2],
+        compute_metrics=lambda _: {"worse": next(evaluations)}, callbacks=[PreemptAtStep3()],
+    )  # fmt: skip
+    try:
+        trainer.train()
+        assert trainer.state.global_step == 3
+        assert trainer.checkpoints.should_stop and trainer.checkpoints.exit_code == 143
+        assert shardpoint.verify(trainer.checkpoints.path_for(3)).ok
+    finally:
+        trainer.checkpoints.close()
+
+
 def test_a_finished_run_started_again_trains_no_further_step(tmp_path, reference):
     """The Trainer alone, resumed from its last checkpoint at ``max_steps`` (40 is not a
     whole number of epochs), trains a step 41 (measured with its own checkpoints)."""

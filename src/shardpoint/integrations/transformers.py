@@ -83,7 +83,9 @@ class ShardpointTrainer(Trainer):
             )
         self.checkpoints = checkpoints
         self._resumed: _Resumed | None = None
-        self.add_callback(_SaveOnPreemption(checkpoints))
+        self._saved_step: int | None = None
+        self._manager_rules = _SaveOnPreemption(checkpoints)
+        self.add_callback(self._manager_rules)
 
     # ---- saving -------------------------------------------------------------------------
 
@@ -100,6 +102,17 @@ class ShardpointTrainer(Trainer):
                     self.state.stateful_callbacks[name] = cb.state()
         step = self.state.global_step
         self.checkpoints.save(step, self._train_state(), force=True)
+        self._saved_step = step
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+        # save_strategy="best" replaces should_save with "a new best metric" after the
+        # evaluation: a save the manager's rules asked for (a preemption, a time
+        # interval) is made all the same.
+        step = self.state.global_step
+        if self._manager_rules.asked == step and self._saved_step != step:
+            self._save_checkpoint(self.model, None)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def _train_state(self) -> TrainState:
         """The whole state, built for the save or restore at hand (the optimizer and
@@ -211,10 +224,12 @@ class _SaveOnPreemption(TrainerCallback):
 
     def __init__(self, checkpoints: CheckpointManager) -> None:
         self.checkpoints = checkpoints
+        self.asked: int | None = None  # the last step these rules asked a save at
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.checkpoints.should_save(state.global_step):
             control.should_save = True
+            self.asked = state.global_step
             if self.checkpoints.preempting:  # agreed by every rank, unlike .preempted
                 control.should_training_stop = True
         return control
