@@ -163,6 +163,34 @@ def test_a_preemption_on_an_evaluation_step_is_saved_under_save_strategy_best(tm
         trainer.checkpoints.close()
 
 
+def test_a_fresh_run_among_an_earlier_runs_checkpoints_is_refused(tmp_path):
+    """The manager would skip the steps the earlier run committed and keep its newest:
+    a later resume would continue the earlier run. Asked to start afresh, it refuses."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from shardpoint.integrations.transformers import ShardpointTrainer
+
+    data = [{"input_ids": torch.tensor([1, 2, 3, 4]), "labels": torch.tensor([1, 2, 3, 4])}] * 8
+
+    def trainer() -> ShardpointTrainer:
+        config = GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1)
+        args = TrainingArguments(
+            output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=2,
+            per_device_train_batch_size=2, save_steps=1,
+        )  # fmt: skip
+        return ShardpointTrainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data)
+
+    first = trainer()
+    first.train()
+    assert first.checkpoints.steps() == [1, 2]
+    second = trainer()
+    with pytest.raises(ValueError, match="earlier run"):
+        second.train()
+    second.train(resume_from_checkpoint=True)  # continuing it is fine: nothing to train
+    assert second.state.global_step == 2
+
+
 def test_a_finished_run_started_again_trains_no_further_step(tmp_path, reference):
     """The Trainer alone, resumed from its last checkpoint at ``max_steps`` (40 is not a
     whole number of epochs), trains a step 41 (measured with its own checkpoints)."""

@@ -40,6 +40,7 @@ from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
+from ..dist import max_of
 from ..loading import load
 from ..training.manager import CheckpointManager
 from ..training.retention import RetentionPolicy
@@ -141,6 +142,7 @@ class ShardpointTrainer(Trainer):
         path restores that checkpoint directory."""
         try:
             if not resume_from_checkpoint:
+                self._refuse_an_earlier_runs_checkpoints()
                 return super().train(resume_from_checkpoint=None, **kwargs)
             resumed = self._restore(resume_from_checkpoint)
             if resumed is None:
@@ -163,6 +165,18 @@ class ShardpointTrainer(Trainer):
         finally:
             self._resumed = None
             self.checkpoints.wait()  # a background save's error is raised here
+
+    def _refuse_an_earlier_runs_checkpoints(self) -> None:
+        """A fresh run among an earlier run's checkpoints would not replace them: the
+        manager skips a step already committed, and keeps the newest steps, the earlier
+        run's; a resume would then continue that run. Every rank learns (one reduction)."""
+        held = len(self.checkpoints.steps()) + len(self.checkpoints.remote_steps())
+        if max_of([held])[0]:
+            raise ValueError(
+                f"{self.checkpoints.directory}: holds checkpoints of an earlier run; pass "
+                "resume_from_checkpoint=True to continue it, or start this run in a new "
+                "output_dir (or delete them)"
+            )
 
     def _restore(self, which: str | bool) -> _Resumed | None:
         """Load model, optimizer and scaler in place (the optimizer is created now, as the
