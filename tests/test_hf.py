@@ -238,6 +238,30 @@ def test_pickle_weights_are_refused_unless_the_user_opts_in(tmp_path):
     assert torch.equal(target.weight, model.weight)
 
 
+def test_pickle_weights_are_read_from_the_files_the_layout_names(tmp_path):
+    """A Trainer's folder also holds training_args.bin (an object, not weights) and
+    may hold other .bin files: only pytorch_model.bin, or the files its index names, are
+    read; a file that is not weights is a typed error naming it."""
+    import argparse
+
+    model = torch.nn.Linear(3, 2)
+    weights = model.state_dict()
+    torch.save({"weight": weights["weight"]}, tmp_path / "part-1.bin")
+    torch.save({"bias": weights["bias"]}, tmp_path / "part-2.bin")
+    torch.save(argparse.Namespace(lr=1), tmp_path / "training_args.bin")
+    torch.save({"exp_avg": torch.ones(2)}, tmp_path / "optimizer.bin")
+    weight_map = {"weight": "part-1.bin", "bias": "part-2.bin"}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    target = torch.nn.Linear(3, 2)
+    load_hf(target, tmp_path, allow_pickle_weights=True)
+    assert torch.equal(target.weight, model.weight) and torch.equal(target.bias, model.bias)
+    with pytest.raises(CheckpointError, match="training_args.bin: not loadable as weights"):
+        load_hf(target, tmp_path / "training_args.bin", allow_pickle_weights=True)
+    (tmp_path / "pytorch_model.bin.index.json").unlink()
+    with pytest.raises(CheckpointError, match="no pytorch_model.bin"):
+        load_hf(target, tmp_path, allow_pickle_weights=True)
+
+
 def test_import_hf_makes_a_checkpoint_with_the_same_tensors(tmp_path):
     model = llama(3)
     model.save_pretrained(tmp_path / "hf", max_shard_size="100KB")

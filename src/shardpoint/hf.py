@@ -429,14 +429,41 @@ def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (local.device, local.data_ptr(), tuple(local.shape))
 
 
+def _pickle_weight_files(source: Path) -> list[Path]:
+    """The model's .bin files as the Hugging Face layout names them (a folder also holds
+    other .bin files: training_args.bin, optimizer states)."""
+    if source.is_file():
+        return [source]
+    index = source / "pytorch_model.bin.index.json"
+    if index.is_file():
+        try:
+            names = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index}: not a weights index ({exc})") from None
+        if not all(isinstance(n, str) and n and Path(n).name == n for n in names):
+            raise CheckpointError(f"{index}: its weight_map must name files of this folder")
+        return [source / n for n in sorted(names)]
+    if (source / "pytorch_model.bin").is_file():
+        return [source / "pytorch_model.bin"]
+    raise CheckpointError(
+        f"{source}: no pytorch_model.bin or pytorch_model.bin.index.json here; pass the .bin file"
+    )
+
+
 def _read_pickle_weights(source: Path) -> dict[str, torch.Tensor]:
-    files = [source] if source.is_file() else sorted(source.glob("*.bin"))
-    if not files:
-        raise CheckpointError(f"{source}: no .bin weights here")
     stored: dict[str, torch.Tensor] = {}
-    for f in files:
-        # Restricted unpickler (tensors and plain containers only), memory-mapped.
-        stored.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+    for f in _pickle_weight_files(source):
+        try:  # restricted unpickler (tensors and plain containers only), memory-mapped
+            weights = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure: a typed error
+            raise CheckpointError(
+                f"{f}: not loadable as weights ({type(exc).__name__}: {exc})"
+            ) from None
+        if not isinstance(weights, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()
+        ):
+            raise CheckpointError(f"{f}: holds no dict of named tensors")
+        stored.update(weights)
     return stored
 
 
