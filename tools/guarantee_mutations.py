@@ -1,6 +1,6 @@
 """Break each guarantee of docs/reliability.md on purpose and check its test notices.
 
-    python tools/guarantee_mutations.py            # every mutation (about 17 minutes)
+    python tools/guarantee_mutations.py            # every mutation (about 30 minutes)
     python tools/guarantee_mutations.py --only lock,undo
 
 Each mutation is a small edit of the library source that breaks one mechanism (the
@@ -1072,6 +1072,64 @@ MUTATIONS = [
             "tests/test_checkpoint_manager.py::"
             "test_a_signal_between_the_agreement_and_the_save_counts_for_the_next_save",
         ),
+    ),
+    Mutation(
+        "prune counts invalid ones",
+        "earlier checkpoints never damaged (prune)",
+        "src/shardpoint/cli.py",
+        '    if row["status"] != "valid":\n',
+        "    if False:\n",
+        ("tests/test_cli.py::test_prune_keeps_the_newest_checkpoints_that_load",),
+    ),
+    Mutation(
+        "prune follows links",
+        "earlier checkpoints never damaged (prune)",
+        "src/shardpoint/cli.py",
+        '    if os.path.islink(row["path"]):\n'
+        '        return "a symbolic link: prune deletes only real directories"\n',
+        "",
+        ("tests/test_cli.py::test_prune_never_follows_links_nor_counts_names_that_are_not_steps",),
+    ),
+    Mutation(
+        "prune counts other names",
+        "earlier checkpoints never damaged (prune)",
+        "src/shardpoint/cli.py",
+        '    if row["step"] is None:\n'
+        '        return "not a step-N directory: prune counts and deletes only those"\n',
+        "",
+        ("tests/test_cli.py::test_prune_never_follows_links_nor_counts_names_that_are_not_steps",),
+    ),
+    Mutation(
+        "savers share a group",
+        "async saves: errors never lost (two savers)",
+        "src/shardpoint/background_save.py",
+        "            self._group, self._group_generation = "
+        "dist.new_cpu_group(), dist.generation()\n",
+        "            global _SHARED_GROUP\n"
+        "            _SHARED_GROUP = globals().get('_SHARED_GROUP') or dist.new_cpu_group()\n"
+        "            self._group, self._group_generation = _SHARED_GROUP, dist.generation()\n",
+        (
+            "tests/test_async_save.py::test_two_savers_with_saves_in_flight_at_once_commit_each_its_own",
+        ),
+    ),
+    Mutation(
+        "best strategy drops a preemption save",
+        "preemption saves (HF Trainer)",
+        "src/shardpoint/integrations/transformers.py",
+        "        if self._manager_rules.asked == step and self._saved_step != step:\n",
+        "        if False:\n",
+        (
+            "tests/test_hf_trainer.py::"
+            "test_a_preemption_on_an_evaluation_step_is_saved_under_save_strategy_best",
+        ),
+    ),
+    Mutation(
+        "whole chunks past their file",
+        "hostile input gives typed errors only",
+        "src/shardpoint/format/index.py",
+        "    if not ((end - begin == nbytes) & (end <= np.array(sizes, np.int64))).all():\n",
+        "    if not (end - begin == nbytes).all():\n",
+        (MANY_CHUNKS + "test_a_bad_whole_tensor_chunk_among_many_is_named",),
     ),
 ]
 

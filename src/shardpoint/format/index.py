@@ -812,7 +812,7 @@ def _whole_chunks_fit(
     arrays (one pass per field) instead of entry by entry: an index of 100,000 small
     tensors holds 100,000 of them. False sends the caller to the loop for the error."""
     chunks = [w[4] for w in whole]
-    sizes = list(map(files.get, [c.file for c in chunks]))
+    sizes = [files.get(c.file) for c in chunks]
     if None in sizes:
         return False
     offsets = [c.offsets for c in chunks]
