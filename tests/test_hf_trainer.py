@@ -191,6 +191,31 @@ def test_a_fresh_run_among_an_earlier_runs_checkpoints_is_refused(tmp_path):
     assert second.state.global_step == 2
 
 
+def test_the_best_checkpoint_is_kept_and_named_as_by_the_trainers_rotation(tmp_path):
+    """``save_total_limit=2`` with ``metric_for_best_model``: the Trainer keeps the two
+    newest and the best, and names the best in ``state.best_model_checkpoint``."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from shardpoint.integrations.transformers import ShardpointTrainer
+
+    losses = iter([5.0, 1.0, 4.0, 3.0, 2.0, 6.0])  # step 2 is the best
+    data = [{"input_ids": torch.tensor([1, 2, 3, 4]), "labels": torch.tensor([1, 2, 3, 4])}] * 8
+    config = GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=6,
+        per_device_train_batch_size=2, eval_strategy="steps", eval_steps=1, save_steps=1,
+        save_total_limit=2, metric_for_best_model="score", greater_is_better=False,
+    )  # fmt: skip
+    trainer = ShardpointTrainer(
+        model=GPT2LMHeadModel(config), args=args, train_dataset=data, eval_dataset=data[:2],
+        compute_metrics=lambda _: {"score": next(losses)},
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.checkpoints.steps() == [2, 5, 6]
+    assert trainer.state.best_model_checkpoint == str(trainer.checkpoints.path_for(2))
+
+
 def test_a_finished_run_started_again_trains_no_further_step(tmp_path, reference):
     """The Trainer alone, resumed from its last checkpoint at ``max_steps`` (40 is not a
     whole number of epochs), trains a step 41 (measured with its own checkpoints)."""

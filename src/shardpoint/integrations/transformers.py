@@ -78,9 +78,15 @@ class ShardpointTrainer(Trainer):
             )
         if checkpoints is None:
             keep = self.args.save_total_limit  # as the Trainer reads it: unset or <= 0 keeps all
+            best = self._best_metric_key()  # the Trainer's rotation keeps the best one too
             checkpoints = CheckpointManager(
                 Path(self.args.output_dir) / "checkpoints",
-                retention=RetentionPolicy(keep_last=keep if keep and keep > 0 else None),
+                retention=RetentionPolicy(
+                    keep_last=keep if keep and keep > 0 else None,
+                    keep_best=1 if best else None,
+                    best_metric=best,
+                    mode="max" if self.args.greater_is_better else "min",
+                ),
             )
         self.checkpoints = checkpoints
         self._resumed: _Resumed | None = None
@@ -102,8 +108,27 @@ class ShardpointTrainer(Trainer):
                 else:
                     self.state.stateful_callbacks[name] = cb.state()
         step = self.state.global_step
-        self.checkpoints.save(step, self._train_state(), force=True)
+        best = self.state.best_global_step
+        if best and (best == step or best in self.checkpoints.steps()):  # as the Trainer does
+            self.state.best_model_checkpoint = str(self.checkpoints.path_for(best))
+        metrics = self._evaluated_at(step)  # retention ranks checkpoints by it
+        self.checkpoints.save(step, self._train_state(), force=True, metrics=metrics)
         self._saved_step = step
+
+    def _best_metric_key(self) -> str | None:
+        """``metric_for_best_model`` as the evaluation logs name it (``eval_`` prefixed)."""
+        name = self.args.metric_for_best_model
+        if not name:
+            return None
+        return name if name.startswith("eval_") else f"eval_{name}"
+
+    def _evaluated_at(self, step: int) -> dict[str, float]:
+        """The best-model metric of the evaluation at ``step``, if one ran and logged it."""
+        key = self._best_metric_key()
+        for entry in reversed(self.state.log_history) if key else ():
+            if entry.get("step") == step and key in entry:
+                return {key: float(entry[key])}
+        return {}
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         super()._maybe_log_save_evaluate(*args, **kwargs)
