@@ -393,7 +393,12 @@ def test_two_savers_with_saves_in_flight_at_once_commit_each_its_own(tmp_path):
     from distributed import run_ranks_outcomes
 
     outcomes = run_ranks_outcomes(
-        2, _two_savers_in_flight, str(tmp_path), errors=tmp_path / "errors", timeout=60
+        2,
+        _two_savers_in_flight,
+        str(tmp_path),
+        errors=tmp_path / "errors",
+        timeout=90,
+        start_method="spawn",  # a fork of this process would inherit other tests' threads
     )
     assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
     assert verify(tmp_path / "a").ok and verify(tmp_path / "b").ok
