@@ -132,6 +132,64 @@ def test_retention_keeps_every_nth_and_the_best(tmp_path):
     assert m.steps() == [2, 4, 5, 8, 9]
 
 
+def test_the_save_just_made_is_kept_beside_a_higher_damaged_step(tmp_path):
+    """A damaged step 300 (restore skips it) is "newer" by number than the saves that
+    follow: each one is kept all the same, so a loadable checkpoint always remains."""
+    m = _manager(tmp_path, retention=RetentionPolicy(keep_last=1))
+    for s in (100, 200, 300):
+        m.save(s, _state(s), force=True)
+    shard = next((tmp_path / "ckpts" / "step-000000300").glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    assert m.restore(_state(0)) is None  # keep_last=1 left only step 300, now damaged
+    m.save(50, _state(50), force=True)
+    m.save(150, _state(150), force=True)
+    assert m.steps() == [150, 300]
+    assert _manager(tmp_path).restore(state := _state(0)) == 150 and state["step"] == 150
+
+
+def test_retention_and_clean_up_never_delete_through_a_linked_step(tmp_path):
+    """An earlier run's checkpoint and another job's unfinished save, linked in under
+    step names: read through (restore), never deleted through."""
+    earlier = _manager(tmp_path / "pretrain", retention=RetentionPolicy(keep_last=None))
+    earlier.save(5, _state(5), force=True)
+    unfinished = tmp_path / "pretrain" / "ckpts" / "step-000000007"
+    unfinished.mkdir()
+    (unfinished / "rank00000-00000.safetensors").write_bytes(b"half")
+    root = tmp_path / "finetune" / "ckpts"
+    root.mkdir(parents=True)
+    (root / "step-000000005").symlink_to(earlier.path_for(5))
+    (root / "step-000000007").symlink_to(unfinished)
+    m = CheckpointManager(root, retention=RetentionPolicy(keep_last=1), preemption_signals=())
+    assert (unfinished / "rank00000-00000.safetensors").exists()  # not a leftover of ours
+    assert m.restore(state := _state(0)) == 5 and state["step"] == 5
+    for s in (10, 20):
+        m.save(s, _state(s), force=True)
+    assert m.steps() == [5, 20]
+    assert shardpoint.verify(earlier.path_for(5)).ok
+
+
+def test_a_best_metric_that_cannot_be_read_deletes_nothing_that_round(tmp_path, monkeypatch):
+    from shardpoint.storage import local
+
+    m = _manager(tmp_path, retention=RetentionPolicy(keep_last=1, keep_best=1, best_metric="loss"))
+    m.save(100, _state(100), force=True, metrics={"loss": 0.1})
+    m.save(200, _state(200), force=True, metrics={"loss": 0.5})
+    real = local.open_regular
+    best_index = m.path_for(100) / "index.json"
+
+    def open_regular(path, flags):  # noqa: ANN001, ANN202
+        if path == best_index:  # an I/O error: read_small turns it into a typed error
+            raise OSError(5, "Input/output error")
+        return real(path, flags)
+
+    monkeypatch.setattr(local, "open_regular", open_regular)
+    m.save(300, _state(300), force=True, metrics={"loss": 0.9})
+    assert m.steps() == [100, 200, 300]  # step 100 (the best) not deleted on a guess
+    monkeypatch.setattr(local, "open_regular", real)
+    m.save(400, _state(400), force=True, metrics={"loss": 0.9})
+    assert m.steps() == [100, 400]
+
+
 def test_retention_policy_never_drops_the_newest():
     from shardpoint.training.retention import KeptCheckpoint
 

@@ -49,6 +49,7 @@ RESTART = (
     "test_a_process_group_initialized_again_in_the_same_processes_saves_with_a_new_plan["
 )
 BACKGROUND = "tests/test_save_plan_cache.py::"
+MANAGER = "tests/test_checkpoint_manager.py::"
 MUTATIONS = [
     Mutation(
         "marker before index",
@@ -1130,6 +1131,32 @@ MUTATIONS = [
         "    if not ((end - begin == nbytes) & (end <= np.array(sizes, np.int64))).all():\n",
         "    if not (end - begin == nbytes).all():\n",
         (MANY_CHUNKS + "test_a_bad_whole_tensor_chunk_among_many_is_named",),
+    ),
+    Mutation(
+        "retention drops the save just made",
+        "earlier checkpoints never damaged (retention)",
+        "src/shardpoint/training/manager.py",
+        "        keep = self.retention.keep(candidates) | {saved}\n",
+        "        keep = self.retention.keep(candidates)\n",
+        (MANAGER + "test_the_save_just_made_is_kept_beside_a_higher_damaged_step",),
+    ),
+    Mutation(
+        "retention deletes through links",
+        "earlier checkpoints never damaged (retention)",
+        "src/shardpoint/training/manager.py",
+        "        keep = keep | {s for s in steps if source.linked(s)}"
+        "  # never deleted through a link\n",
+        "",
+        (MANAGER + "test_retention_and_clean_up_never_delete_through_a_linked_step",),
+    ),
+    Mutation(
+        "unreadable best metric guessed",
+        "earlier checkpoints never damaged (retention)",
+        "src/shardpoint/training/manager.py",
+        "                    if isinstance(exc.__cause__, OSError):"
+        "  # could not be read this time:\n",
+        "                    if False:\n",
+        (MANAGER + "test_a_best_metric_that_cannot_be_read_deletes_nothing_that_round",),
     ),
 ]
 

@@ -570,7 +570,7 @@ class CheckpointManager:
         )
         if self._keeps_local:
             try:
-                self._apply_retention()
+                self._apply_retention(step)
             except (OSError, CheckpointError) as exc:  # the save itself stands
                 self._cannot_delete(None, exc)
         if self._uploader is not None:
@@ -596,7 +596,9 @@ class CheckpointManager:
                 self._signal = seen
         return bool(seen)
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, saved: int) -> None:
+        """Apply the policy after the save of step ``saved``, which is always kept: a
+        higher step (a damaged checkpoint, an earlier run's) is not newer than it."""
         candidates = []
         for step in self.steps():
             metric = None
@@ -606,10 +608,12 @@ class CheckpointManager:
                     ckpt = open_committed(self.tier.open(step), every_file=False)
                     metrics = ckpt.index.metadata.get("metrics", {})
                     metric = metrics.get(self.retention.best_metric)
-                except CheckpointError:
-                    pass  # unreadable: no metric, kept or dropped by the other rules
+                except CheckpointError as exc:
+                    if isinstance(exc.__cause__, OSError):  # could not be read this time:
+                        raise  # no deletion on a guess (the caller logs it)
+                    # An invalid index: no metric, kept or dropped by the other rules.
             candidates.append(KeptCheckpoint(step, metric))
-        keep = self.retention.keep(candidates)
+        keep = self.retention.keep(candidates) | {saved}
         uploading = self._uploader.busy_step if self._uploader is not None else None
         if uploading is not None:
             keep.add(uploading)
@@ -628,6 +632,7 @@ class CheckpointManager:
         """Delete the checkpoints of ``steps`` not in ``keep``, keeping every file a kept
         one refers to (incremental saves); then what is left of deleted ones that no
         kept checkpoint refers to any more."""
+        keep = keep | {s for s in steps if source.linked(s)}  # never deleted through a link
         references = source.references(sorted(keep))  # None: a kept one is unreadable
         for step in steps:
             if step not in keep:

@@ -63,20 +63,31 @@ class CheckpointTier:
         """Steps of committed checkpoints, oldest first."""
         return [s for s in self.step_dirs() if self.committed(s)]
 
+    def linked(self, step: int) -> bool:
+        """Whether the step's directory is a symbolic link (an earlier run's checkpoint
+        linked in): read through, never deleted through."""
+        return os.path.islink(self.path_for(step))
+
     def delete(self, step: int, keep: Collection[str] = ()) -> None:
         """Delete a checkpoint, except its files in ``keep`` (see ``references``)."""
         self.commit_of(step).delete(keep)
 
     def leftovers(self) -> list[int]:
         """Step directories without a marker that hold only checkpoint files (a crashed
-        save, or a deleted checkpoint whose files others refer to)."""
-        return [s for s in self.step_dirs() if self.commit_of(s).is_leftover()]
+        save, or a deleted checkpoint whose files others refer to); links excluded."""
+        return [
+            s for s in self.step_dirs() if not self.linked(s) and self.commit_of(s).is_leftover()
+        ]
 
     def pruned(self, committed: Collection[int]) -> list[int]:
         """Deleted checkpoints whose files other checkpoints referred to, among the
         step directories that are not in ``committed`` (known, so not looked at again)."""
         known = set(committed)
-        return [s for s in self.step_dirs() if s not in known and self.commit_of(s).is_pruned()]
+        return [
+            s
+            for s in self.step_dirs()
+            if s not in known and not self.linked(s) and self.commit_of(s).is_pruned()
+        ]
 
     def references(self, steps: Iterable[int]) -> dict[int, set[str]] | None:
         """Step -> its files that the committed checkpoints of ``steps`` refer to; None
