@@ -190,6 +190,19 @@ def test_a_best_metric_that_cannot_be_read_deletes_nothing_that_round(tmp_path, 
     assert m.steps() == [100, 400]
 
 
+def test_a_remote_tier_on_a_shared_file_system_gets_every_upload(tmp_path):
+    from shardpoint import RemoteTier
+
+    remote = tmp_path / "shared"
+    m = _manager(tmp_path, remote=RemoteTier(str(remote), RetentionPolicy(keep_last=1)))
+    for s in (1, 2):
+        m.save(s, _state(s), force=True)
+        assert m.wait_for_uploads(timeout=60)
+    m.close()
+    assert m.remote_steps() == [2]
+    assert shardpoint.verify(remote / "step-000000002").ok
+
+
 def test_retention_policy_never_drops_the_newest():
     from shardpoint.training.retention import KeptCheckpoint
 

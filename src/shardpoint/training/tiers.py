@@ -259,6 +259,7 @@ class Uploader:
             raise FileNotFoundError(f"{source.where}: not committed in the local tier")
         names = [n for n in source.list() if writer_rank(n) == self.rank and n in wanted]
         target = self.remote.open(step)
+        target.prepare()  # a shared file system's step directory (no-op on object stores)
         refs = [n for n in wanted if split_reference(n) and writer_rank(n) == self.rank]
         missing = self._referenced_missing(step, refs, source, target)
         return copy_files(source, target, names + missing, self.threads, compress=self.compress)
