@@ -203,6 +203,30 @@ def test_a_remote_tier_on_a_shared_file_system_gets_every_upload(tmp_path):
     assert shardpoint.verify(remote / "step-000000002").ok
 
 
+def test_a_damaged_local_checkpoint_is_not_uploaded_over_the_remote_copy(tmp_path):
+    """Step 3 is truncated locally before its upload: the upload fails, and the remote
+    keeps step 2 (its retention never ran for a copy that did not commit)."""
+    from shardpoint import RemoteTier
+
+    remote = tmp_path / "shared"
+    m = _manager(tmp_path, remote=RemoteTier(str(remote), RetentionPolicy(keep_last=1)))
+    m.save(2, _state(2), force=True)
+    assert m.wait_for_uploads(timeout=60)
+    m.close()
+    local = _manager(tmp_path, retention=RetentionPolicy(keep_last=None))
+    local.save(3, _state(3), force=True)  # committed here, not uploaded
+    local.close()
+    shard = next(local.path_for(3).glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    with pytest.warns(UserWarning, match="local copy is damaged"):
+        again = _manager(tmp_path, remote=RemoteTier(str(remote), RetentionPolicy(keep_last=1)))
+        assert again.restore(_state(0)) == 2
+        again.wait_for_uploads(timeout=60)
+        again.close()
+    assert again.remote_steps() == [2]
+    assert shardpoint.verify(remote / "step-000000002").ok
+
+
 def test_retention_policy_never_drops_the_newest():
     from shardpoint.training.retention import KeptCheckpoint
 

@@ -1158,6 +1158,14 @@ MUTATIONS = [
         "                    if False:\n",
         (MANAGER + "test_a_best_metric_that_cannot_be_read_deletes_nothing_that_round",),
     ),
+    Mutation(
+        "damaged local copy uploaded",
+        "earlier checkpoints never damaged (remote)",
+        "src/shardpoint/training/tiers.py",
+        "            if source.size(name) != wanted[name]:\n",
+        "            if False:\n",
+        (MANAGER + "test_a_damaged_local_checkpoint_is_not_uploaded_over_the_remote_copy",),
+    ),
 ]
 
 

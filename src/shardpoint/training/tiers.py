@@ -18,7 +18,7 @@ from typing import Any
 from .. import dist
 from ..checkpoint_dir import MAX_INDEX_BYTES
 from ..commit import Commit
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.index import Index, parse_index, split_reference
 from ..names import INDEX_NAME, PRUNED_NAME, is_own_file, parse_step_dir, step_dir, writer_rank
 from ..references import References
@@ -201,13 +201,14 @@ class Uploader:
         prepared: Any = None  # rank 0: (index bytes, index) of its local copy, or why not
         if self.rank == 0:
             prepared = _try(lambda: self._prepare_remote(step))
-        go = list(prepared[1].files) if isinstance(prepared, tuple) else prepared
+        # The files the remote copy needs, with the sizes the index gives them.
+        go = dict(prepared[1].files) if isinstance(prepared, tuple) else prepared
         go = dist.broadcast_json(go, 0, self.group)
-        if not isinstance(go, list):  # committed already, or the remote cannot be reached
+        if not isinstance(go, dict):  # committed already, or the remote cannot be reached
             if self.rank == 0 and go != "committed":
                 self.on_event("upload_failed", step=step, error=go)
             return
-        mine = _try(lambda: self._upload_own_files(step, set(go)))
+        mine = _try(lambda: self._upload_own_files(step, go))
         reports = dist.gather_json(mine, 0, self.group)
         if reports is None:
             return
@@ -251,13 +252,21 @@ class Uploader:
             raise FileNotFoundError(f"{source.where}: not committed in the local tier")
         return raw, parse_index(raw, source.location(INDEX_NAME))
 
-    def _upload_own_files(self, step: int, wanted: set[str]) -> int:
-        """This rank's files of ``step`` that the remote copy needs, from its local copy
-        (a node's own copies of replicated state stay local); returns the bytes."""
+    def _upload_own_files(self, step: int, wanted: dict[str, int]) -> int:
+        """This rank's files of ``step`` that the remote copy needs (name -> size), from
+        its local copy (a node's own copies of replicated state stay local); returns the
+        bytes. A local file of another size is damaged: the upload fails, and the
+        remote keeps what it has."""
         source = self.local.open(step)
         if not Commit(source).is_committed():
             raise FileNotFoundError(f"{source.where}: not committed in the local tier")
         names = [n for n in source.list() if writer_rank(n) == self.rank and n in wanted]
+        for name in names:
+            if source.size(name) != wanted[name]:
+                raise CorruptCheckpointError(
+                    f"{source.location(name)}: {source.size(name)} bytes, the index says "
+                    f"{wanted[name]}; the local copy is damaged and is not uploaded"
+                )
         target = self.remote.open(step)
         target.prepare()  # a shared file system's step directory (no-op on object stores)
         refs = [n for n in wanted if split_reference(n) and writer_rank(n) == self.rank]
