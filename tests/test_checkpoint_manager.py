@@ -227,6 +227,23 @@ def test_a_damaged_local_checkpoint_is_not_uploaded_over_the_remote_copy(tmp_pat
     assert shardpoint.verify(remote / "step-000000002").ok
 
 
+def test_remote_retention_keeps_the_step_just_uploaded(tmp_path):
+    """The remote holds a higher step of an earlier run: keep_last=1 there must not
+    delete each new upload as soon as it commits."""
+    from shardpoint import RemoteTier
+
+    remote = RemoteTier(str(tmp_path / "shared"), RetentionPolicy(keep_last=1))
+    earlier = CheckpointManager(tmp_path / "earlier", remote=remote, preemption_signals=())
+    earlier.save(9, _state(9), force=True)
+    assert earlier.wait_for_uploads(timeout=60)
+    earlier.close()
+    m = _manager(tmp_path, remote=remote)
+    m.save(3, _state(3), force=True)
+    assert m.wait_for_uploads(timeout=60)
+    m.close()
+    assert m.remote_steps() == [3, 9]
+
+
 def test_retention_policy_never_drops_the_newest():
     from shardpoint.training.retention import KeptCheckpoint
 

@@ -266,8 +266,10 @@ def test_prune_keeps_the_newest_and_never_touches_uncommitted_or_invalid(tmp_pat
 
 
 def _three_steps(root: Path) -> Path:
+    """Saved as the manager saves them: each index holds its step (a copy keeps it)."""
     for step in (1, 2, 3):
-        shardpoint.save({"w": torch.full((3,), float(step))}, root / f"step-{step:09d}")
+        state = {"w": torch.full((3,), float(step))}
+        shardpoint.save(state, root / f"step-{step:09d}", metadata={"step": step})
     return root
 
 

@@ -189,6 +189,14 @@ def test_a_fresh_run_among_an_earlier_runs_checkpoints_is_refused(tmp_path):
         second.train()
     second.train(resume_from_checkpoint=True)  # continuing it is fine: nothing to train
     assert second.state.global_step == 2
+    third = trainer()
+
+    def unlisted() -> list[int]:
+        raise shardpoint.CheckpointError("the store is down")
+
+    third.checkpoints.steps = unlisted  # one rank's listing fails: every rank is told
+    with pytest.raises(shardpoint.CheckpointError, match="could not list"):
+        third.train()
 
 
 def test_the_best_checkpoint_is_kept_and_named_as_by_the_trainers_rotation(tmp_path):

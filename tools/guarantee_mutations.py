@@ -1095,9 +1095,8 @@ MUTATIONS = [
         "prune counts other names",
         "earlier checkpoints never damaged (prune)",
         "src/shardpoint/cli.py",
-        '    if row["step"] is None:\n'
-        '        return "not a step-N directory: prune counts and deletes only those"\n',
-        "",
+        '    if _step_of(row["path"]) is None:',
+        '    if row["step"] is None:',  # the metadata's step: a copy named best counts
         ("tests/test_cli.py::test_prune_never_follows_links_nor_counts_names_that_are_not_steps",),
     ),
     Mutation(
@@ -1136,8 +1135,8 @@ MUTATIONS = [
         "retention drops the save just made",
         "earlier checkpoints never damaged (retention)",
         "src/shardpoint/training/manager.py",
-        "        keep = self.retention.keep(candidates) | {saved}\n",
-        "        keep = self.retention.keep(candidates)\n",
+        "        keep = self.retention.keep(candidates) | {saved} | unreadable\n",
+        "        keep = self.retention.keep(candidates) | unreadable\n",
         (MANAGER + "test_the_save_just_made_is_kept_beside_a_higher_damaged_step",),
     ),
     Mutation(
@@ -1153,9 +1152,8 @@ MUTATIONS = [
         "unreadable best metric guessed",
         "earlier checkpoints never damaged (retention)",
         "src/shardpoint/training/manager.py",
-        "                    if isinstance(exc.__cause__, OSError):"
-        "  # could not be read this time:\n",
-        "                    if False:\n",
+        "                    if isinstance(exc.__cause__, OSError):  # could not be read:",
+        "                    if False:",
         (MANAGER + "test_a_best_metric_that_cannot_be_read_deletes_nothing_that_round",),
     ),
     Mutation(
@@ -1165,6 +1163,14 @@ MUTATIONS = [
         "            if source.size(name) != wanted[name]:\n",
         "            if False:\n",
         (MANAGER + "test_a_damaged_local_checkpoint_is_not_uploaded_over_the_remote_copy",),
+    ),
+    Mutation(
+        "remote retention drops the upload",
+        "earlier checkpoints never damaged (remote)",
+        "src/shardpoint/training/manager.py",
+        "for s in steps]) | {uploaded}",
+        "for s in steps])",
+        (MANAGER + "test_remote_retention_keeps_the_step_just_uploaded",),
     ),
 ]
 

@@ -544,7 +544,7 @@ def _left_alone_because(row: dict[str, Any]) -> str | None:
         return "uncommitted: a save may be running"
     if row["status"] == "pruned":
         return "pruned"  # its files kept for others are looked at again below
-    if row["step"] is None:
+    if _step_of(row["path"]) is None:  # the name's, not the metadata's (a copy keeps it)
         return "not a step-N directory: prune counts and deletes only those"
     if row["status"] != "valid":
         return f"{row['status']}: look at it with `shardpoint verify`, delete it by hand"

@@ -16,6 +16,7 @@ caller passes ``allow_pickle=True`` (CLI: ``--allow-pickle``), the same rule as
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,19 @@ def _torch_save_to_shardpoint(
     return Conversion("torch.save", info.path, info.tensors)
 
 
+def _link_new(tmp: Path, out: Path) -> None:
+    """Give ``tmp`` the name ``out``, which must not exist (not even as a link)."""
+    exists = CheckpointError(f"{out}: already exists; choose a new file name")
+    try:
+        os.link(tmp, out)
+    except FileExistsError:
+        raise exists from None
+    except OSError:  # a file system without hard links (some FUSE mounts, exFAT)
+        if os.path.lexists(out):
+            raise exists from None
+        os.replace(tmp, out)
+
+
 def _shardpoint_to_torch_save(
     source: str | os.PathLike[str], out: str | os.PathLike[str]
 ) -> Conversion:
@@ -133,17 +147,16 @@ def _shardpoint_to_torch_save(
         state = reader.state()  # verified
         tensors = len(reader.keys())
     # Durable before it has its name, and never over a file that is there: a new file
-    # of its own (O_EXCL), synced, linked to the name (which refuses an existing one).
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    with open(tmp, "xb") as f:
-        try:
+    # of its own, synced, then linked to the name (a link refuses an existing one).
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    tmp = Path(name)
+    try:
+        with open(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-            os.link(tmp, out)
-        except FileExistsError:
-            raise CheckpointError(f"{out}: already exists; choose a new file name") from None
-        finally:
-            tmp.unlink()
+        _link_new(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     fsync_directory(out.parent)
     return Conversion("shardpoint", out, tensors)

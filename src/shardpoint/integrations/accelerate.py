@@ -23,6 +23,7 @@ stateful loaders), every object given to ``register_for_checkpointing`` and
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from ..loading import load
@@ -53,10 +54,11 @@ def accelerator_state(accelerator: Any) -> dict[str, Any]:
             "accelerator.register_for_checkpointing instead"
         )
     if accelerator.project_configuration.automatic_checkpoint_naming:
-        raise ValueError(
+        warnings.warn(
             "ProjectConfiguration(automatic_checkpoint_naming=True) names and deletes "
-            "Accelerate's own checkpoints; with shardpoint use CheckpointManager (its "
-            "step-N directories and RetentionPolicy(keep_last=total_limit)) and turn it off"
+            "Accelerate's own checkpoints, not shardpoint's: their names and total_limit are "
+            "CheckpointManager's step-N directories and RetentionPolicy(keep_last=...)",
+            stacklevel=2,
         )
     custom = accelerator._custom_objects
     not_stateful = [type(obj).__name__ for obj in custom if not is_stateful(obj)]

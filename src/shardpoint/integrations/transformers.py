@@ -41,6 +41,7 @@ from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from ..dist import max_of
+from ..errors import CheckpointError
 from ..loading import load
 from ..training.manager import CheckpointManager
 from ..training.retention import RetentionPolicy
@@ -195,8 +196,17 @@ class ShardpointTrainer(Trainer):
         """A fresh run among an earlier run's checkpoints would not replace them: the
         manager skips a step already committed, and keeps the newest steps, the earlier
         run's; a resume would then continue that run. Every rank learns (one reduction)."""
-        held = len(self.checkpoints.steps()) + len(self.checkpoints.remote_steps())
-        if max_of([held])[0]:
+        try:
+            held, unlisted = len(self.checkpoints.steps()) + len(self.checkpoints.remote_steps()), 0
+        except (OSError, CheckpointError):  # told to every rank below, not raised alone
+            held, unlisted = 0, 1
+        held, unlisted = max_of([held, unlisted])
+        if unlisted:
+            raise CheckpointError(
+                f"{self.checkpoints.directory}: a rank could not list its checkpoints, so "
+                "whether an earlier run's are there is unknown; check the storage and retry"
+            )
+        if held:
             raise ValueError(
                 f"{self.checkpoints.directory}: holds checkpoints of an earlier run; pass "
                 "resume_from_checkpoint=True to continue it, or start this run in a new "

@@ -599,7 +599,7 @@ class CheckpointManager:
     def _apply_retention(self, saved: int) -> None:
         """Apply the policy after the save of step ``saved``, which is always kept: a
         higher step (a damaged checkpoint, an earlier run's) is not newer than it."""
-        candidates = []
+        candidates, unreadable = [], set()
         for step in self.steps():
             metric = None
             if self.retention.best_metric:
@@ -609,21 +609,22 @@ class CheckpointManager:
                     metrics = ckpt.index.metadata.get("metrics", {})
                     metric = metrics.get(self.retention.best_metric)
                 except CheckpointError as exc:
-                    if isinstance(exc.__cause__, OSError):  # could not be read this time:
-                        raise  # no deletion on a guess (the caller logs it)
+                    if isinstance(exc.__cause__, OSError):  # could not be read: its metric
+                        unreadable.add(step)  # is unknown, so it is not deleted on a guess
                     # An invalid index: no metric, kept or dropped by the other rules.
             candidates.append(KeptCheckpoint(step, metric))
-        keep = self.retention.keep(candidates) | {saved}
+        keep = self.retention.keep(candidates) | {saved} | unreadable
         uploading = self._uploader.busy_step if self._uploader is not None else None
         if uploading is not None:
             keep.add(uploading)
         self._delete_all_but(self.tier, [c.step for c in candidates], keep)
 
-    def _apply_remote_retention(self) -> None:
+    def _apply_remote_retention(self, uploaded: int) -> None:
+        """Remote retention after the upload of step ``uploaded``, which is always kept."""
         assert self.remote is not None
         steps = self.remote.steps()
         assert self.remote_retention is not None
-        keep = self.remote_retention.keep([KeptCheckpoint(s, None) for s in steps])
+        keep = self.remote_retention.keep([KeptCheckpoint(s, None) for s in steps]) | {uploaded}
         self._delete_all_but(self.remote, steps, keep, tier="remote")
 
     def _delete_all_but(

@@ -125,7 +125,7 @@ class Uploader:
         local: CheckpointTier,
         remote: CheckpointTier,
         on_event: Callable[..., None],
-        after_upload: Callable[[], None],
+        after_upload: Callable[[int], None],
         threads: int,
         compress: bool = False,
     ) -> None:
@@ -231,7 +231,7 @@ class Uploader:
             lag_seconds=round(lag, 4),
             gb_per_s=round(nbytes / max(seconds, 1e-9) / 1e9, 3),
         )
-        self.after_upload()
+        self.after_upload(step)
 
     def _prepare_remote(self, step: int) -> str | tuple[bytes, Index]:
         """Rank 0: its local copy's index (which names the files the remote copy needs),
@@ -268,7 +268,7 @@ class Uploader:
                     f"{wanted[name]}; the local copy is damaged and is not uploaded"
                 )
         target = self.remote.open(step)
-        target.prepare()  # a shared file system's step directory (no-op on object stores)
+        target.prepare(durable=self.rank == 0)  # a shared file system's (no-op on stores)
         refs = [n for n in wanted if split_reference(n) and writer_rank(n) == self.rank]
         missing = self._referenced_missing(step, refs, source, target)
         return copy_files(source, target, names + missing, self.threads, compress=self.compress)
