@@ -1152,7 +1152,7 @@ MUTATIONS = [
         "unreadable best metric guessed",
         "earlier checkpoints never damaged (retention)",
         "src/shardpoint/training/manager.py",
-        "                    if isinstance(exc.__cause__, OSError):  # could not be read:",
+        "                    if isinstance(exc.__cause__, OSError):",
         "                    if False:",
         (MANAGER + "test_a_best_metric_that_cannot_be_read_deletes_nothing_that_round",),
     ),
