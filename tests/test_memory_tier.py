@@ -185,6 +185,35 @@ def test_a_memory_copy_tagged_with_another_rank_world_size_or_step_is_refused(
     assert torch.equal(state["w"], torch.ones(1000))
 
 
+def test_a_new_run_never_restores_an_earlier_runs_memory_copy(tmp_path, monkeypatch):
+    """Memory copies belong to the run in the directory: another project's directory of
+    the same relative name, or this one deleted to start over, finds none of them."""
+    monkeypatch.setenv("SHARDPOINT_SHM_DIR", str(tmp_path / "shm"))
+    for project in ("a", "b"):
+        (tmp_path / project).mkdir()
+
+    def restored(project: str) -> tuple[int | None, list[float]]:
+        monkeypatch.chdir(tmp_path / project)
+        manager = CheckpointManager(
+            "checkpoints",
+            policy=SavePolicy(every_n_steps=1000),
+            memory=MemoryTierOptions(every_n_steps=1),
+            preemption_signals=(),
+        )
+        state = {"w": torch.zeros(4)}
+        step = manager.restore(state)
+        if step is None and project == "a":
+            manager.save_to_memory(5, {"w": torch.ones(4)})
+        manager.close()
+        return step, state["w"].tolist()
+
+    assert restored("a") == (None, [0.0] * 4)  # the first start saves step 5 to memory
+    assert restored("a") == (5, [1.0] * 4)  # a restart of the run finds it
+    assert restored("b") == (None, [0.0] * 4)  # same relative name, another project
+    shutil.rmtree(tmp_path / "a" / "checkpoints")  # start over
+    assert restored("a") == (None, [0.0] * 4)
+
+
 def test_memory_budget_and_release(tmp_path):
     tier = MemoryTier("job", root=tmp_path, max_bytes=1000)
     tier.save(1, {"w": torch.zeros(1000)})
@@ -199,6 +228,18 @@ def test_memory_budget_and_release(tmp_path):
     assert not tier.own_dir(2).exists()
 
 
+def test_the_memory_budget_counts_the_step_kept_until_the_next_is_in_place(tmp_path):
+    """Step 1's copy stays until step 2's is complete: both count against max_bytes."""
+    tier = MemoryTier("job", root=tmp_path, max_bytes=6000)  # one 4,000-byte step fits
+    tier.save(1, {"w": torch.zeros(1000)})
+    tier.wait()
+    tier.save(2, {"w": torch.ones(1000)})
+    with pytest.raises(CheckpointError, match="held until the new copies are in place"):
+        tier.wait()
+    assert [p.name for p in tier.own_dir(1).parent.iterdir()] == ["step-000000001"]
+    tier.close(release=True)
+
+
 def test_stale_jobs_are_freed(tmp_path):
     stale = tmp_path / "old-job" / "own"
     stale.mkdir(parents=True)
@@ -208,6 +249,32 @@ def test_stale_jobs_are_freed(tmp_path):
     os.utime(tmp_path / "old-job", (0, 0))
     MemoryTier("new-job", root=tmp_path)
     assert not (tmp_path / "old-job").exists() and (tmp_path / "new-job").exists()
+
+
+def test_stale_jobs_being_freed_by_another_rank_do_not_fail_a_start(tmp_path, monkeypatch):
+    """Every rank of a node frees the same stale jobs at its start: files another rank
+    has just removed (or links to nothing) must not fail this rank's start."""
+    stale = tmp_path / "old-job" / "own"
+    stale.mkdir(parents=True)
+    (stale / "link").symlink_to(tmp_path / "nothing")
+    os.utime(stale / "link", (0, 0), follow_symlinks=False)
+    os.utime(stale, (0, 0))
+    os.utime(tmp_path / "old-job", (0, 0))
+    listed = Path.rglob
+
+    def removed_meanwhile(self, pattern):  # noqa: ANN001, ANN202
+        yield from listed(self, pattern)
+        if self.name == "old-job":
+            yield self / "own" / "removed-by-another-rank"
+
+    MemoryTier("new-job", root=tmp_path)  # the link is looked at, not followed
+    assert not (tmp_path / "old-job").exists()
+    (tmp_path / "another-old-job").mkdir()
+    os.utime(tmp_path / "another-old-job", (0, 0))
+    monkeypatch.setattr(Path, "rglob", removed_meanwhile)
+    (tmp_path / "old-job").mkdir()
+    MemoryTier("new-job", root=tmp_path)  # another rank is removing old-job: left to it
+    assert not (tmp_path / "another-old-job").exists()
 
 
 def test_a_memory_save_only_stages_on_the_caller_and_keeps_the_values_at_the_call(tmp_path):
@@ -344,5 +411,50 @@ def test_a_rank_that_cannot_list_its_copy_fails_the_memory_save_on_every_rank(tm
 
     outcomes = run_ranks_outcomes(
         4, _save_with_rank_1_unable_to_list_its_copy, str(tmp_path), errors=tmp_path / "errors"
+    )
+    assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
+
+
+def _save_with_rank_1_unable_to_write_a_replica(rank: int, world: int, root: str) -> None:
+    import errno
+
+    import shardpoint.training.memory_tier as memory_tier
+
+    _node_env(rank, root)
+    tier = MemoryTier("job", root=Path(root) / f"shm{rank // 2}")
+    tier.save(1, {"w": torch.full((100,), float(rank))})
+    tier.wait()
+    if rank == 1:  # its shared memory is full: the replica it receives cannot be written
+
+        def full(path, mode="r", *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if "replica" in str(path) and "w" in mode:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+            return open(path, mode, *args, **kwargs)
+
+        memory_tier.open = full  # the module's name for the builtin
+    tier.save(2, {"w": torch.full((100,), 10.0 + rank)})
+    with pytest.raises(CheckpointError, match="injected"):
+        tier.wait()  # on every rank, none left waiting for rank 1
+    if rank == 1:
+        del memory_tier.open
+    assert tier.newest_step() == 1  # as before the failed save: nothing of step 2 is left
+    assert not any(tier.base.glob("*/*/step-000000002"))
+    state = {"w": torch.zeros(100)}
+    tier.restore(state, 1)
+    assert torch.equal(state["w"], torch.full((100,), float(rank)))
+    tier.close(release=True)
+
+
+def test_a_replica_that_cannot_be_written_fails_the_memory_save_on_every_rank(tmp_path):
+    """A full shared-memory file system on one rank (the replica it receives) is a
+    ``CheckpointError`` on every rank, not a wait for the collective timeout."""
+    from distributed import run_ranks_outcomes
+
+    outcomes = run_ranks_outcomes(
+        4,
+        _save_with_rank_1_unable_to_write_a_replica,
+        str(tmp_path),
+        errors=tmp_path / "errors",
+        timeout=60,
     )
     assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))

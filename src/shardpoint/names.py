@@ -5,8 +5,9 @@ checkpoint directory holds ``rankRRRRR-KKKKK.safetensors`` shard files (rank R's
 file), ``rankRRRRR.chunks.json`` fragments (format version 2: where rank R's chunks of
 sharded entries are), ``index.json`` and the ``COMMITTED`` marker. A deleted
 checkpoint whose shard files later checkpoints still refer to (incremental saves)
-keeps those files and a ``PRUNED`` note instead of its marker. Anything else is not
-ours.
+keeps those files and a ``PRUNED`` note instead of its marker. The manager's directory
+also holds ``run-id``: which run its checkpoints belong to (the memory tier's namespace).
+Anything else is not ours.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _OWN_FILE = re.compile(
     r"(\.tmp)?$"
 )
 PRUNED_NAME = "PRUNED"
+RUN_ID_NAME = "run-id"
 
 __all__ = ["INDEX_NAME", "MARKER_NAME"]
 

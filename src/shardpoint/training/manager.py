@@ -28,6 +28,7 @@ from ..errors import (
 )
 from ..incremental import IncrementalChain
 from ..loading import load
+from ..names import RUN_ID_NAME
 from ..saving import SaveInfo, SaveOptions, run_save
 from ..shared_reads import join_failed
 from ..storage import CheckpointStorage, is_url, open_storage
@@ -151,7 +152,7 @@ class CheckpointManager:
         self.memory_every_n_steps = memory.every_n_steps if memory else None
         self.memory = (
             MemoryTier(
-                memory.job or _job_name(self.directory),
+                memory.job or _memory_job(self.directory, self.tier.storage),
                 replicas=memory.replicas,
                 max_bytes=memory.max_bytes,
                 pool_bytes=memory.pool_bytes,
@@ -747,8 +748,32 @@ def _directory_per_node(storage: CheckpointStorage) -> bool:
     return separate
 
 
-def _job_name(directory: Any) -> str:
-    """A memory-tier namespace derived from the checkpoint directory."""
+def _memory_job(directory: Any, storage: CheckpointStorage) -> str:
+    """The memory-tier namespace of the run in ``directory``, the same on every rank:
+    from its absolute location and the id rank 0 finds in it (written there at the
+    first start). Another project's directory of the same relative name, or this one
+    deleted to start over, has another id: memory copies of an earlier run are never
+    restored into a new one."""
     import hashlib
 
-    return "job-" + hashlib.sha256(str(directory).encode()).hexdigest()[:16]
+    where = str(directory) if is_url(directory) else os.path.abspath(directory)
+    run_id = dist.broadcast_json(_run_id(storage) if dist.rank() == 0 else None)
+    return "job-" + hashlib.sha256(f"{where}\n{run_id}".encode()).hexdigest()[:16]
+
+
+def _run_id(storage: CheckpointStorage) -> str | None:
+    """The directory's run id, written now if it has none; None (with a warning) if it
+    can be neither read nor written (the memory tier then cannot tell runs apart)."""
+    try:
+        raw = storage.read_small(RUN_ID_NAME, 1024)
+        if raw is None:
+            storage.write_small_durably(RUN_ID_NAME, uuid.uuid4().hex.encode())
+            raw = storage.read_small(RUN_ID_NAME, 1024)
+        return None if raw is None else raw.decode(errors="replace")
+    except (OSError, CheckpointError) as exc:
+        warnings.warn(
+            f"{storage.location(RUN_ID_NAME)}: cannot read or write the run id ({exc}); "
+            "the memory tier cannot tell this run from an earlier one in the same directory",
+            stacklevel=3,
+        )
+        return None

@@ -124,7 +124,7 @@ class MemoryTier:
         finish: Callable[[], Any] | None = None
         error = None
         try:
-            self._check_budget(state)
+            self._check_budget(state, step)
             target = self.own_dir(step)
             if target.exists():
                 shutil.rmtree(target)  # a crashed earlier attempt at this step
@@ -195,8 +195,19 @@ class MemoryTier:
             # Each rank learns the file list of the buddy it receives from alone: what
             # a rank receives per save does not grow with the ranks.
             theirs = self._swap_manifests(to, frm, files)
-            self._exchange(send=(to, own), recv=(frm, theirs, self.replica_dir(frm, step)))
-        dist.barrier(self.group)  # every copy durable before anyone prunes
+            replica = self._exchange(
+                send=(to, own), recv=(frm, theirs, self.replica_dir(frm, step))
+            )
+            if replica is not None and error is None:
+                error = f"rank {self.rank}: {replica}"
+        # Every copy durable before anyone prunes; a replica that could not be written
+        # fails the save on every rank, which then holds what it held before it.
+        failed = dist.first_error(error, self.group)
+        if failed is not None:
+            shutil.rmtree(own, ignore_errors=True)
+            for parent in self._replica_parents():
+                shutil.rmtree(parent / step_dir(step), ignore_errors=True)
+            raise CheckpointError(f"memory tier save of step {step} failed: {failed}")
         self._prune(step)
 
     def _swap_manifests(self, to: int, frm: int, files: dict[str, int]) -> dict[str, int]:
@@ -216,14 +227,28 @@ class MemoryTier:
             request.wait()
         return {str(k): int(v) for k, v in json.loads(buffer.numpy().tobytes()).items()}
 
-    def _check_budget(self, state: Any) -> None:
+    def _check_budget(self, state: Any, step: int) -> None:
+        """The copies held now stay until every rank's copies of the new step are in
+        place: the peak is those plus the new own copy and replicas (a buddy holds the
+        same local rank's share of the state, so about this rank's size each)."""
         if self.max_bytes is None:
             return
         own = sum(t.numel() * t.element_size() for t in flatten(state).tensors.values())
-        if own * (1 + self.replicas) > self.max_bytes:
+        held = sum(
+            p.lstat().st_size
+            for parent in [self.own_dir(step).parent, *self._replica_parents()]
+            if parent.is_dir()
+            for d in parent.iterdir()
+            if d.name != step_dir(step)  # replaced by the new copy
+            for p in d.rglob("*")
+        )
+        need = held + own * (1 + self.replicas)
+        if need > self.max_bytes:
             raise CheckpointError(
-                f"memory tier: {own * (1 + self.replicas)} bytes (own copy + {self.replicas} "
-                f"replicas) exceed max_bytes={self.max_bytes}; raise it or lower replicas"
+                f"memory tier: {need} bytes ({held} held until the new copies are in place, "
+                f"plus {own} for the own copy and each of {self.replicas} replicas) exceed "
+                f"max_bytes={self.max_bytes}; raise it (about twice one step's copies) or "
+                "lower replicas"
             )
 
     def _identity(self, step: int) -> dict[str, Any]:
@@ -233,8 +258,11 @@ class MemoryTier:
         self,
         send: tuple[int, Path] | None,
         recv: tuple[int, dict[str, int], Path] | None,
-    ) -> None:
-        """Send one checkpoint's files to a rank and/or receive another's (marker last)."""
+    ) -> str | None:
+        """Send one checkpoint's files to a rank and/or receive another's (marker last).
+        Returns why the received copy could not be written (a full shared-memory file
+        system), and leaves none of it: the caller's ranks agree on that, so one rank's
+        failure never leaves the others waiting."""
         requests = []
         maps = []
         if send is not None:
@@ -252,8 +280,10 @@ class MemoryTier:
         for r in requests:
             r.wait()
         maps.clear()
-        if recv is not None:
-            target = recv[2]
+        if recv is None:
+            return None
+        target = recv[2]
+        try:
             if target.exists():
                 shutil.rmtree(target)
             target.mkdir(parents=True)
@@ -261,6 +291,13 @@ class MemoryTier:
                 with open(target / name, "wb") as f:
                     f.write(memoryview(buf.numpy())[:size])
                 self.bytes_received += size
+        except OSError as exc:
+            shutil.rmtree(target, ignore_errors=True)
+            return (
+                f"writing rank {recv[0]}'s copy to {target}: {exc}; free "
+                "space there (or raise its size), or lower replicas"
+            )
+        return None
 
     def _prune(self, newest: int) -> None:
         for parent in [self.base / "own" / f"rank{self.rank:05d}", *self._replica_parents()]:
@@ -303,13 +340,15 @@ class MemoryTier:
         self.bytes_received = 0
         # This rank's transfers, in the order of the whole job's list: a rank waits for
         # each of its transfers in turn, and every partner reaches it in the same order.
+        error = None
         for kind, other, files in self._role["transfers"]:
             if kind == "send":
                 self._exchange(send=(other, self.replica_dir(other, step)), recv=None)
             else:
-                self._exchange(send=None, recv=(other, files, self.own_dir(step)))
-        error = None
+                error = self._exchange(send=None, recv=(other, files, self.own_dir(step))) or error
         try:
+            if error is not None:
+                raise CorruptCheckpointError(error)
             # Whose copy it is is checked first: another rank's state never lands in ours.
             meta = load_identity(self.own_dir(step))
             if meta != self._identity(step)["memory_tier"]:
@@ -404,8 +443,11 @@ def _remove_stale_jobs(root: Path, keep: Path) -> None:
     """Free the memory of jobs on this node untouched for a day (dead runs)."""
     now = time.time()
     for job in root.iterdir() if root.is_dir() else []:
-        if job == keep or not job.is_dir():
+        try:
+            if job == keep or not job.is_dir():
+                continue
+            newest = max((p.lstat().st_mtime for p in job.rglob("*")), default=job.stat().st_mtime)
+        except FileNotFoundError:  # another rank of this node is removing it right now
             continue
-        newest = max((p.stat().st_mtime for p in job.rglob("*")), default=job.stat().st_mtime)
         if now - newest > STALE_AFTER_SECONDS:
             shutil.rmtree(job, ignore_errors=True)
