@@ -261,6 +261,28 @@ def test_a_2d_mesh_checkpoint_loads_on_a_1d_mesh_and_in_one_process(tmp_path):
     assert all(torch.equal(state[k], want[k]) for k in state)
 
 
+def _tied_load_sharded_and_whole(rank: int, world: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    emb = distribute_tensor(torch.full((64, 64), -7.0), mesh, [Shard(0)], src_data_rank=None)
+    head = torch.full((64, 64), -7.0)
+    shardpoint.load({"emb": emb, "head": head}, path)
+    want = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64) + 1
+    assert torch.equal(head, want)
+    assert torch.equal(emb.to_local(), want[rank * 32 : (rank + 1) * 32])
+
+
+def test_tied_weights_loaded_as_a_shard_and_as_a_whole_tensor_both_get_their_bytes(tmp_path):
+    """``head`` is stored as an alias of ``emb``; each rank needs the same stored rows
+    twice (its ``emb`` shard and all of ``head``): two reads from one file offset, each
+    filled and verified (one was left unread before)."""
+    w = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64) + 1
+    shardpoint.save({"emb": w, "head": w}, tmp_path / "ckpt")
+    run_ranks(2, _tied_load_sharded_and_whole, str(tmp_path / "ckpt"))
+
+
 def _failing_save(rank: int, world: int, path: str) -> None:
     import shardpoint.storage.local as local
 

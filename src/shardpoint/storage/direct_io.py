@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -252,7 +253,8 @@ def write_files(
             interiors = _zero_copy_interiors(segments)
             jobs.extend(_zero_copy_write(fd, s, lo, hi) for lo, hi, s in _blocks(interiors))
             spans = _gaps(interiors, _padded(size))
-            jobs.extend(_bounce_write(fd, segments, lo, hi, size) for lo, hi in spans)
+            by_offset = _ByOffset(segments)
+            jobs.extend(_bounce_write(fd, by_offset, lo, hi, size) for lo, hi in spans)
         _run(jobs, threads)
         _run(
             [_truncate_and_sync(fd, size) for fd, (size, _) in zip(fds, files.values())],
@@ -311,7 +313,8 @@ def read_ranges(
                     _read_into(fd, s, lo, hi, where, done) for lo, hi, s in _blocks(interiors)
                 )
                 spans = _bounce_read_spans(large, interiors)
-                jobs.extend(_bounce_read(fd, large, lo, hi, where, done) for lo, hi in spans)
+                by_offset = _ByOffset(large)
+                jobs.extend(_bounce_read(fd, by_offset, lo, hi, where, done) for lo, hi in spans)
             else:
                 for s in large:
                     jobs.extend(
@@ -481,22 +484,37 @@ def _bounce_read_spans(
 
 
 def _coalesce(segments: list[Segment]) -> list[tuple[int, int]]:
-    """Spans covering sorted segments, bridging gaps under COALESCE_GAP, at most BLOCK long."""
+    """Disjoint spans covering sorted segments, each segment inside one: gaps under
+    COALESCE_GAP are bridged up to BLOCK long; a segment that overlaps the span so far
+    (two regions of one stored range) always joins it."""
     spans: list[list[int]] = []
     for s in segments:
-        if spans and s.offset - spans[-1][1] <= COALESCE_GAP and s.end - spans[-1][0] <= BLOCK:
+        if spans and (
+            s.offset < spans[-1][1]
+            or (s.offset - spans[-1][1] <= COALESCE_GAP and s.end - spans[-1][0] <= BLOCK)
+        ):
             spans[-1][1] = max(spans[-1][1], s.end)
         else:
             spans.append([s.offset, s.end])
     return [(a, b) for a, b in spans]
 
 
-def _overlapping(segments: list[Segment], lo: int, hi: int) -> Iterable[Segment]:
-    i = max(bisect.bisect_right(segments, lo, key=lambda s: s.offset) - 1, 0)
-    while i < len(segments) and segments[i].offset < hi:
-        if segments[i].end > lo:
-            yield segments[i]
-        i += 1
+class _ByOffset:
+    """Segments sorted by offset, and the furthest end any of the first i + 1 reaches:
+    finds every segment that shares a byte with a span, also when segments overlap
+    each other (an earlier, longer one may reach past a later one's start)."""
+
+    def __init__(self, segments: list[Segment]) -> None:
+        self.segments = segments
+        self.reach = list(accumulate((s.end for s in segments), max))
+
+    def overlapping(self, lo: int, hi: int) -> Iterator[Segment]:
+        segments = self.segments
+        i = bisect.bisect_right(self.reach, lo)  # every one before ends at or before lo
+        while i < len(segments) and segments[i].offset < hi:
+            if segments[i].end > lo:
+                yield segments[i]
+            i += 1
 
 
 # ---- jobs ------------------------------------------------------------------------------
@@ -506,13 +524,11 @@ def _zero_copy_write(fd: int, s: Segment, lo: int, hi: int) -> Callable[[], None
     return lambda: pwrite_all(fd, memoryview(s.array)[lo - s.offset : hi - s.offset], lo)
 
 
-def _bounce_write(
-    fd: int, segments: list[Segment], lo: int, hi: int, size: int
-) -> Callable[[], None]:
+def _bounce_write(fd: int, segments: _ByOffset, lo: int, hi: int, size: int) -> Callable[[], None]:
     def job() -> None:
         with _BOUNCE.buffer(lo) as buf:
             end = min(hi, size)
-            for s in _overlapping(segments, lo, end):
+            for s in segments.overlapping(lo, end):
                 _copy(buf, s, max(s.offset, lo), min(s.end, end))
             if hi > end:  # the tail page past the end of the file; truncated away later
                 buf.array[end - lo : hi - lo] = 0
@@ -551,13 +567,13 @@ def _read_into(
 
 
 def _bounce_read(
-    fd: int, segments: list[Segment], lo: int, hi: int, where: str, done: _Completion
+    fd: int, segments: _ByOffset, lo: int, hi: int, where: str, done: _Completion
 ) -> Callable[[], None]:
     def job() -> None:
         with _BOUNCE.buffer(lo) as buf:
             with typed_read_errors(where):
                 got = pread_into(fd, memoryview(buf.array)[: hi - lo], lo)
-            for s in _overlapping(segments, lo, hi):
+            for s in segments.overlapping(lo, hi):
                 a, b = max(s.offset, lo), min(s.end, hi)
                 if b - lo > got:
                     raise _truncated(where, b)
@@ -586,14 +602,23 @@ def _scatter_read(
     """Read the file span ``[lo, hi)`` through the page cache straight into the
     segments inside it, with one ``preadv`` per IOV_MAX / 2 of them (each may need a
     buffer for the gap before it, read into a scratch buffer no one reads; threads may
-    share it): small tensors cost no bounce copy and no call of their own.
-    Segments that overlap each other (two regions of one stored range) go through a
-    bounce buffer instead."""
+    share it): small tensors cost no bounce copy and no call of their own. The span
+    holds whole segments (``_coalesce``); one that overlaps another (two regions of one
+    stored range) is read by a call of its own."""
 
     def job() -> None:
-        inside = list(_overlapping(segments, lo, hi))
-        if any(b.offset < a.end for a, b in zip(inside, inside[1:])):
-            return _bounce_read(fd, segments, lo, hi, where, done)()
+        first = bisect.bisect_left(segments, lo, key=lambda s: s.offset)
+        last = bisect.bisect_left(segments, hi, lo=first, key=lambda s: s.offset)
+        inside, apart, end = [], [], lo
+        for s in segments[first:last]:
+            (inside if s.offset >= end else apart).append(s)
+            end = max(end, s.end)
+        for s in apart:
+            with typed_read_errors(where):
+                got = pread_into(fd, memoryview(s.array), s.offset)
+            if got != s.end - s.offset:
+                raise _truncated(where, s.end)
+            done.add(s, got)
         at = lo
         for first in range(0, len(inside), _IOV_MAX // 2):  # a segment and a gap each
             group = inside[first : first + _IOV_MAX // 2]
