@@ -453,3 +453,28 @@ def test_each_ranks_rng_streams_live_in_its_fragment_not_in_the_index(tmp_path):
         assert sorted(reader.state()["rng"]) == [0, 1, 2, 3]
         assert {f"rng.{r}.torch" for r in range(4)} <= set(reader.keys())
     assert shardpoint.verify(path).ok
+
+
+def _strided_alone(rank: int, world: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (world,))
+    strided = distribute_tensor(torch.arange(8.0), mesh, [_StridedShard(0, split_factor=2)])
+    assert strided.to_local().tolist() == [[0.0, 1.0, 4.0, 5.0], [2.0, 3.0, 6.0, 7.0]][rank]
+    with pytest.raises(shardpoint.UnsupportedValueError, match="not one block"):
+        shardpoint.load({"w": strided}, path)
+    assert strided.to_local().tolist() == [[0.0, 1.0, 4.0, 5.0], [2.0, 3.0, 6.0, 7.0]][rank]
+    with pytest.raises(shardpoint.UnsupportedValueError, match="not one block"):
+        shardpoint.save({"w": strided}, path + "-strided")
+
+
+def test_a_strided_shard_that_is_not_one_block_is_refused_on_load_and_save(tmp_path):
+    """``_StridedShard`` alone (no later Shard resolving it, unlike FSDP2 over TP above)
+    holds rows 0, 1, 4, 5 of 8 on rank 0: loading it as the block at its offset put
+    rows 0-3 there, and a save committed overlapping chunks no later open accepted."""
+    path = tmp_path / "plain"
+    shardpoint.save({"w": torch.arange(8.0)}, path)
+    run_ranks(2, _strided_alone, str(path))
+    assert not (tmp_path / "plain-strided" / "COMMITTED").exists()

@@ -7,6 +7,7 @@ placements make several ranks hold the same shard.
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from .sharding import REPLICATED, Mesh, Sharding
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # torch built without distributed support
     DTensor = None  # type: ignore[assignment,misc]
 
@@ -120,9 +122,34 @@ def _dtensor_part(
     key = (tuple(t.shape), tuple(t.placements))
     box = boxes.get(key)
     if box is None:
+        if not _one_box(t.placements, tuple(t.device_mesh.shape)):
+            raise UnsupportedValueError(
+                f"DTensor {name!r} ({t.placements} on mesh {list(t.device_mesh.shape)}): a "
+                "rank's local shard is not one block of the global tensor (a strided shard "
+                "that no later Shard of the same dimension resolves), which a checkpoint "
+                "cannot describe; redistribute it (e.g. to Shard or Replicate) first"
+            )
         shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         box = boxes[key] = (tuple(shape), tuple(int(o) for o in offsets))
     shape, offsets = box
     if shape != tuple(local.shape):  # padded shards: keep the real part
         local = local[tuple(slice(0, s) for s in shape)]
     return local, key[0], offsets
+
+
+def _one_box(placements: Any, mesh_shape: tuple[int, ...]) -> bool:
+    """Whether every rank's local shard is one block of the global tensor. A strided
+    shard (FSDP2 over tensor parallelism) is one only when the later mesh dimensions
+    that shard the same tensor dimension split each of its pieces ``split_factor`` ways:
+    alone, ``_StridedShard(0, split_factor=2)`` on 2 ranks gives rank 0 rows 0, 1, 4, 5
+    of 8, which a block at an offset would take for rows 0-3."""
+    for i, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            later = [
+                mesh_shape[j]
+                for j, q in enumerate(placements)
+                if j > i and isinstance(q, Shard) and q.dim == p.dim
+            ]
+            if math.prod(later) != p.split_factor:
+                return False
+    return True
