@@ -292,8 +292,13 @@ def _match(
     if tag == "dict" and isinstance(target, dict):
         stored = {_decode_key(k): v for k, v in node["dict"]}
         wanted = select(rel, list(stored)) if select is not None else None
+        dropped: list[object] = []
         if wanted is not None:
+            # The selected stored keys are what this rank restores; its own keys the
+            # checkpoint lacks (a rank the saved run did not have) are not missing:
+            # the Stateful derives them from the selected ones, so they are dropped.
             stored = {k: v for k, v in stored.items() if k in wanted}
+            dropped = [k for k in target if k not in stored]
         if in_stateful and "param_groups" in target and "param_groups" in stored:
             _match_param_groups(target["param_groups"], stored["param_groups"], path, m)
         children: dict[object, Finisher] = {}
@@ -312,9 +317,12 @@ def _match(
                 children[key] = _materialize(child, m)
             else:
                 m.unexpected.append(_join(path, key))
-        m.missing.extend(_join(path, k) for k in target if k not in stored)
+        if wanted is None:
+            m.missing.extend(_join(path, k) for k in target if k not in stored)
 
         def finish_dict(tensor: Callable[[str], torch.Tensor]) -> Any:
+            for key in dropped:
+                del target[key]  # type: ignore[attr-defined]
             for key, child_finish in children.items():
                 target[key] = child_finish(tensor)  # type: ignore[index]
             return target
