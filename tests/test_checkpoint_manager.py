@@ -423,3 +423,65 @@ def test_a_signal_between_the_agreement_and_the_save_counts_for_the_next_save(tm
     )
     assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
     assert shardpoint.verify(tmp_path / "ckpt" / "step-000000003").ok
+
+
+class _PickyOnRank1:
+    """A Stateful whose ``load_state_dict`` fails on rank 1 alone, with an error that is
+    neither the checkpoint's nor a mismatch (a user's bug)."""
+
+    def __init__(self) -> None:
+        self.v = 0
+
+    def state_dict(self) -> dict:
+        return {"v": self.v}
+
+    def load_state_dict(self, sd: dict) -> None:
+        from shardpoint import dist
+
+        if dist.rank() == 1 and sd["v"] == 7:  # the checkpoint's value, not its own back
+            raise TypeError("picky (injected)")
+        self.v = sd["v"]
+
+
+def _restore_with_one_rank_failing(rank: int, world: int, root: str, where: str) -> None:
+    import warnings
+
+    from shardpoint import CheckpointError, MemoryTierOptions, StateMismatchError
+
+    os.environ["SHARDPOINT_SHM_DIR"] = os.path.join(root, "shm", str(rank))
+    memory = MemoryTierOptions(every_n_steps=1) if where == "memory" else None
+    manager = CheckpointManager(os.path.join(root, "disk"), memory=memory, preemption_signals=())
+    state = {"w": torch.ones(4), "picky": _PickyOnRank1()}
+    state["picky"].v = 7
+    manager.save(1, state, force=True)
+    state["picky"].v = 0
+    if memory is not None:
+        manager.save_to_memory(2, state)
+        manager.memory.wait()
+    if where == "memory":  # rank 1's state does not fit its memory copy
+        state, expected = {"w": torch.ones(4 + rank), "picky": _PickyOnRank1()}, StateMismatchError
+    else:
+        expected = TypeError if rank == 1 else CheckpointError
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to an older checkpoint either
+        with pytest.raises(expected, match="picky|another rank|does not fit"):
+            manager.restore(state)
+
+
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_an_error_on_one_rank_during_restore_is_raised_on_every_rank(tmp_path, where):
+    """A restore whose load fails on one rank with an error that is not the checkpoint's
+    (a Stateful's own ``TypeError``; a state that does not fit its memory copy) raises on
+    every rank, without falling back: the others used to wait in the agreement until
+    the collective timeout."""
+    from distributed import run_ranks_outcomes
+
+    outcomes = run_ranks_outcomes(
+        2,
+        _restore_with_one_rank_failing,
+        str(tmp_path),
+        where,
+        errors=tmp_path / "errors",
+        timeout=60,
+    )
+    assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))

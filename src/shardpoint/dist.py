@@ -374,6 +374,18 @@ def irecv_bytes(buffer: torch.Tensor, src: int, tag: int, group: Any = None) -> 
     return dist.irecv(buffer, src=src, group=group or _cpu_group(), tag=tag)
 
 
+def worst_error(error: str | None, kind: int, group: Any = None) -> tuple[int, str | None]:
+    """Of the ranks that failed (``error`` set; ``kind``: larger is graver), the gravest
+    kind and the message of the lowest-ranked rank of that kind; (-1, None) when no
+    rank failed. Every rank gets the same answer, so every rank acts on it alike."""
+    if not is_distributed():
+        return (kind, error) if error is not None else (-1, None)
+    worst = max_of([kind if error is not None else -1], group)[0]
+    if worst < 0:
+        return -1, None
+    return worst, first_error(error if error is not None and kind == worst else None, group)
+
+
 def max_of(values: list[int], group: Any = None) -> list[int]:
     """Elementwise maximum of ``values`` over all ranks (one small all-reduce)."""
     if not is_distributed():

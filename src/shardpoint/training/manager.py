@@ -25,6 +25,7 @@ from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
     StateMismatchError,
+    UnsupportedValueError,
 )
 from ..incremental import IncrementalChain
 from ..loading import load
@@ -376,8 +377,8 @@ class CheckpointManager:
         named = self.remote if tier == "remote" and self.remote is not None else self.tier
         path = str(named.path_for(step))
         start = time.perf_counter()
-        mismatch: StateMismatchError | None = None
-        error = None
+        mine: BaseException | None = None
+        kind = -1
         view = LayeredCheckpoint(copies) if copies else None
         # When bytes may come from the object store, those several ranks need are read
         # once and sent between ranks; from local disks alone each rank reads its own
@@ -397,20 +398,27 @@ class CheckpointManager:
                 share_reads=share,
             )
         except StateMismatchError as exc:
-            mismatch, error = exc, f"mismatch: {exc}"
+            mine, kind = exc, _MISMATCH
+        except UnsupportedValueError as exc:  # the state's fault: older ones fail alike
+            mine, kind = exc, _FAILED
         except CheckpointError as exc:  # corrupt, incomplete, unreadable
-            error = f"rank {dist.rank()}: {exc}"
-        # Ranks agree: a checkpoint is used only if it loaded on every rank. The
-        # messages travel only if some rank failed.
-        failed, mismatched = dist.max_of([int(error is not None), int(mismatch is not None)])
-        first = None
-        if failed:  # a mismatch first: an older checkpoint would not fit either
-            first = dist.first_error(error if mismatch is not None or not mismatched else None)
-        if mismatch is not None:
-            raise mismatch
-        if mismatched:
+            mine, kind = exc, _UNUSABLE
+        except Exception as exc:  # anything else (a Stateful's own error): raised on every rank
+            mine, kind = exc, _FAILED
+        # Ranks agree: a checkpoint is used only if it loaded on every rank; a mismatch
+        # wins (an older checkpoint would not fit either), then an error that is not
+        # the checkpoint's. The messages travel only if some rank failed.
+        error = None if mine is None else f"rank {dist.rank()}: {type(mine).__name__}: {mine}"
+        worst, first = dist.worst_error(error, kind)
+        if worst == _MISMATCH:
+            if kind == _MISMATCH:
+                raise mine  # type: ignore[misc]
             raise StateMismatchError(f"another rank could not load {path}: {first}")
-        if first is not None:
+        if worst == _FAILED:
+            if kind == _FAILED:
+                raise mine  # type: ignore[misc]
+            raise CheckpointError(f"another rank failed while loading {path}: {first}")
+        if worst == _UNUSABLE:
             warnings.warn(
                 f"checkpoint at step {step} is not usable ({first}); falling back to "
                 "the next copy or the previous checkpoint",
@@ -712,6 +720,10 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# How a rank's restore attempt failed, gravest last (``dist.worst_error``).
+_UNUSABLE, _FAILED, _MISMATCH = 0, 1, 2
 
 
 def _directory_per_node(storage: CheckpointStorage) -> bool:

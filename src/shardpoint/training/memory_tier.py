@@ -31,7 +31,12 @@ import torch
 from .. import dist
 from ..background_save import Stager, lower_priority
 from ..commit import Commit
-from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StateMismatchError,
+)
 from ..loading import load
 from ..names import INDEX_NAME, MARKER_NAME, is_own_file, parse_step_dir, step_dir
 from ..saving import DEFAULT_THREADS, SaveOptions, run_save
@@ -346,6 +351,8 @@ class MemoryTier:
                 self._exchange(send=(other, self.replica_dir(other, step)), recv=None)
             else:
                 error = self._exchange(send=None, recv=(other, files, self.own_dir(step))) or error
+        mine: BaseException | None = None
+        kind = 0  # the copy cannot be used; 1: another error, 2: the state does not fit
         try:
             if error is not None:
                 raise CorruptCheckpointError(error)
@@ -356,8 +363,18 @@ class MemoryTier:
             with dist.solo():
                 load(state, self.own_dir(step))
         except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
-            error = f"rank {self.rank}: {exc}"
-        failed = dist.first_error(error)
+            mine = exc
+        except StateMismatchError as exc:
+            mine, kind = exc, 2
+        except Exception as exc:  # raised on every rank, none left in the agreement
+            mine, kind = exc, 1
+        error = None if mine is None else f"rank {self.rank}: {type(mine).__name__}: {mine}"
+        worst, failed = dist.worst_error(error, kind)
+        if worst > 0:
+            if kind == worst:
+                raise mine  # type: ignore[misc]
+            cls = StateMismatchError if worst == 2 else CheckpointError
+            raise cls(f"another rank could not load memory tier step {step}: {failed}")
         if failed is not None:
             raise CorruptCheckpointError(f"memory tier step {step} is not usable: {failed}")
 
