@@ -347,6 +347,30 @@ def test_a_stateful_that_rejects_its_state_rolls_back_every_tensor_and_stateful(
     assert (first.n, last.n) == (1, 2)
 
 
+def test_a_rejected_load_puts_plain_values_back_too(ckpt_dir):
+    """All or nothing covers the values a load replaces (numbers, strings, lists,
+    nested dicts), not only tensors and Statefuls: they were left as the checkpoint's."""
+    shardpoint.save(
+        {"step": 7, "cfg": {"name": "new", "lr": 0.1}, "hist": [1, 2, 3], "pair": [4, 5],
+         "w": torch.ones(4), "z": _Counter(9)},
+        ckpt_dir,
+    )  # fmt: skip
+    hist, pair, cfg = [0], [0, 0], {"name": "old", "lr": 1.0}
+    state = {
+        "step": 0,
+        "cfg": cfg,
+        "hist": hist,
+        "pair": pair,
+        "w": torch.zeros(4),
+        "z": _Refuses(2),
+    }
+    with pytest.raises(StateMismatchError, match="not my kind"):
+        shardpoint.load(state, ckpt_dir)
+    assert state["step"] == 0 and state["cfg"] is cfg and cfg == {"name": "old", "lr": 1.0}
+    assert state["hist"] is hist and hist == [0] and state["pair"] is pair and pair == [0, 0]
+    assert not state["w"].any() and state["z"].n == 2
+
+
 # ---- writes after the commit are best effort ------------------------------------------
 
 

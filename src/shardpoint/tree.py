@@ -324,7 +324,10 @@ def _match(
             for key in dropped:
                 del target[key]  # type: ignore[attr-defined]
             for key, child_finish in children.items():
-                target[key] = child_finish(tensor)  # type: ignore[index]
+                value = child_finish(tensor)
+                if not in_stateful:  # a Stateful takes its whole state back instead
+                    _undo_put(m, target, key, value)
+                target[key] = value  # type: ignore[index]
             return target
 
         return finish_dict
@@ -342,6 +345,9 @@ def _match(
         def finish_sequence(tensor: Callable[[str], torch.Tensor]) -> Any:
             values = [f(tensor) for f in items]
             if isinstance(target, list) and tag == "list":
+                if not in_stateful:
+                    before = list(target)
+                    m.undo.append(lambda: target.__setitem__(slice(None), before))
                 target[:] = values
                 return target
             return tuple(values) if tag == "tuple" else values
@@ -351,6 +357,15 @@ def _match(
     if isinstance(target, torch.Tensor):
         m.missing.append(f"{path} (a tensor in the state, not in the checkpoint)")
     return _materialize(node, m)
+
+
+def _undo_put(m: LoadMatch, target: Any, key: object, value: Any) -> None:
+    """Let a failed load put ``target[key]`` back (``load`` is all or nothing for the
+    plain values it replaces too, not only for tensors and Statefuls)."""
+    if key in target:
+        old = target[key]
+        if old is not value:
+            m.undo.append(lambda: target.__setitem__(key, old))
 
 
 def _match_param_groups(live: Any, node: Any, path: str, m: LoadMatch) -> None:
