@@ -260,3 +260,24 @@ def test_loads_through_the_page_cache_and_with_direct_io_agree(ckpt_dir, monkeyp
     }
     shardpoint.load(dest, ckpt_dir)
     assert all(torch.equal(dest[k], state[k]) for k in state)
+
+
+def test_conjugate_and_negative_views_save_their_values_and_are_refused_as_destinations(
+    ckpt_dir,
+):
+    """A lazy ``.conj()`` shares its base's bytes but shows other values: it is saved as
+    the values it shows (not as an alias of its base), and loading into one is refused
+    with a typed error (the bytes written would not be the values read back)."""
+    t = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    shardpoint.save({"t": t, "c": t.conj(), "n": t.conj().imag}, ckpt_dir)
+    out = {
+        k: torch.zeros(2, dtype=d)
+        for k, d in (("t", t.dtype), ("c", t.dtype), ("n", torch.float32))
+    }
+    shardpoint.load(out, ckpt_dir)
+    assert torch.equal(out["t"], t) and torch.equal(out["c"], t.conj().resolve_conj())
+    assert out["n"].tolist() == [-2.0, 4.0]
+    base = torch.zeros(2, dtype=torch.complex64)
+    with pytest.raises(shardpoint.UnsupportedValueError, match="conjugate"):
+        shardpoint.load({"t": base.conj(), "c": out["c"], "n": out["n"]}, ckpt_dir)
+    assert not base.any()

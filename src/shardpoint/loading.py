@@ -26,7 +26,7 @@ import torch
 
 from . import dist
 from .checkpoint_dir import CommittedCheckpoint, open_committed
-from .errors import CorruptCheckpointError, StateMismatchError
+from .errors import CorruptCheckpointError, StateMismatchError, UnsupportedValueError
 from .format.index import Chunk, TensorEntry, checksum
 from .format.safetensors import DTYPES
 from .gc_pause import gc_paused
@@ -253,6 +253,11 @@ class ReadPlan:
     ) -> None:
         """Fill ``part`` with the box of entry ``name`` that starts at ``offsets``."""
         entry = self.ckpt.index.resolve(name)
+        if part.is_conj() or part.is_neg():  # its bytes are not the values it shows
+            raise UnsupportedValueError(
+                f"{self.ckpt.where}: cannot load {name!r} into a lazy conjugate or negative "
+                "view (.conj(), .imag of one); load into the tensor it views instead"
+            )
         regions = self.regions.setdefault(entry.name, [])
         for r in regions:
             if r.offsets == offsets and tuple(r.tensor.shape) == tuple(part.shape):

@@ -1400,6 +1400,8 @@ def _holdings(
                 f"cannot save tensor {name!r}: layout {part.layout} is not supported; "
                 "convert it with .to_dense() first"
             )
+        if part.is_conj() or part.is_neg():  # a lazy view: its values are not its bytes
+            part = part.resolve_conj().resolve_neg()
         memory = None
         if part.numel():  # every empty tensor has the same (null) data pointer
             memory = (part.device, part.data_ptr(), tuple(part.shape), part.stride(), part.dtype)
