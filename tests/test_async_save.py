@@ -428,3 +428,27 @@ def test_continuous_saves_need_async_saves_and_remote_needs_a_remote_tier(tmp_pa
         CheckpointManager(tmp_path, SavePolicy(continuous=True), preemption_signals=())
     with pytest.raises(TypeError, match="RemoteTier"):
         CheckpointManager(tmp_path, remote="s3://bucket/x", preemption_signals=())  # type: ignore[arg-type]
+
+
+def test_background_saves_work_on_a_file_system_without_hard_links(tmp_path, monkeypatch):
+    """exFAT and FUSE mounts (gcsfuse, s3fs, blobfuse) refuse hard links: a background
+    save names its files by a rename after checking the name is free (it failed with
+    'Operation not permitted' before), and still refuses a name that exists."""
+    import errno
+
+    from shardpoint.storage import direct_io
+
+    def no_links(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(direct_io.os, "link", no_links)
+    state = {"w": torch.arange(10.0)}
+    shardpoint.async_save(state, tmp_path / "ckpt").wait()
+    out = {"w": torch.zeros(10)}
+    shardpoint.load(out, tmp_path / "ckpt")
+    assert torch.equal(out["w"], state["w"])
+    taken = tmp_path / "taken"
+    taken.write_bytes(b"another writer's")
+    with pytest.raises(FileExistsError):
+        direct_io.link_new(tmp_path / "ckpt" / "index.json", taken)
+    assert taken.read_bytes() == b"another writer's"

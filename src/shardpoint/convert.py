@@ -27,7 +27,7 @@ from .errors import CheckpointError
 from .format.index import MARKER_NAME
 from .reader import CheckpointReader
 from .saving import save
-from .storage.direct_io import fsync_directory
+from .storage.direct_io import fsync_directory, link_new
 
 
 @dataclass(frozen=True)
@@ -126,15 +126,10 @@ def _torch_save_to_shardpoint(
 
 def _link_new(tmp: Path, out: Path) -> None:
     """Give ``tmp`` the name ``out``, which must not exist (not even as a link)."""
-    exists = CheckpointError(f"{out}: already exists; choose a new file name")
     try:
-        os.link(tmp, out)
+        link_new(tmp, out)
     except FileExistsError:
-        raise exists from None
-    except OSError:  # a file system without hard links (some FUSE mounts, exFAT)
-        if os.path.lexists(out):
-            raise exists from None
-        os.replace(tmp, out)
+        raise CheckpointError(f"{out}: already exists; choose a new file name") from None
 
 
 def _shardpoint_to_torch_save(

@@ -224,6 +224,21 @@ def _copy(dst: Segment, src: Segment, lo: int, hi: int) -> None:
         dst.data[d : d + hi - lo].copy_(src.data[s : s + hi - lo])
 
 
+def link_new(tmp: Path, path: Path) -> None:
+    """Give the file ``tmp`` the name ``path``, which must not exist (``FileExistsError``,
+    also for a dangling link): a hard link, which refuses an existing name atomically;
+    where the file system has none (exFAT, many FUSE mounts: gcsfuse, s3fs, blobfuse), a
+    rename after checking the name is free. ``tmp`` may be gone afterwards."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, "File exists", str(path)) from None
+        os.rename(tmp, path)
+
+
 def fsync_directory(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -378,8 +393,8 @@ class StreamingFile:
             finally:
                 os.close(fd)
             if self.exclusive:
-                os.link(self.tmp, self.path)  # FileExistsError: the name is another's
-                self.tmp.unlink()
+                link_new(self.tmp, self.path)  # FileExistsError: the name is another's
+                self.tmp.unlink(missing_ok=True)
             else:
                 os.replace(self.tmp, self.path)
         except BaseException:
