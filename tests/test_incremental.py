@@ -540,3 +540,38 @@ def test_a_background_save_run_again_after_a_change_keeps_the_chain_of_its_stead
     out = {"mine": shardpoint.PerRank({0: {"t": torch.zeros(1000)}}), "w": torch.zeros(3)}
     shardpoint.load(out, tmp_path / "step-000000004", strict=False)
     assert torch.equal(out["mine"][0]["t"], torch.arange(1000.0)) and out["w"][0].item() == 4.0
+
+
+def test_a_copy_that_fails_on_a_full_disk_is_a_typed_error_and_leaves_nothing(
+    tmp_path, monkeypatch
+):
+    import errno
+
+    import shardpoint.checkpoint_copy as checkpoint_copy
+
+    shardpoint.save({"w": torch.ones(100)}, tmp_path / "a")
+
+    def full(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_copy, "copy_files", full)
+    with pytest.raises(shardpoint.CheckpointError, match="No space left.*Free space"):
+        copy_checkpoint(tmp_path / "a", tmp_path / "b")
+    assert not (tmp_path / "b").exists() and shardpoint.verify(tmp_path / "a").ok
+
+
+def test_a_source_file_that_comes_back_short_fails_its_copy(tmp_path):
+    """A file that shrank between its listing and its read: the copy fails (a local
+    target would otherwise pad it to size with zeros)."""
+    from shardpoint.storage.transfer import copy_file
+
+    source = LocalDirectory(tmp_path / "src")
+    source.prepare()
+    (tmp_path / "src" / "f.bin").write_bytes(b"x" * 100)
+    real = source.iter_bytes
+    source.iter_bytes = lambda name, block: (b[:60] for b in real(name, block))  # type: ignore[method-assign]
+    target = LocalDirectory(tmp_path / "dst")
+    target.prepare()
+    with pytest.raises(shardpoint.CorruptCheckpointError, match="60 bytes read, 100 expected"):
+        copy_file(source, target, "f.bin", threads=1)
+    assert not (tmp_path / "dst" / "f.bin").exists()

@@ -85,8 +85,13 @@ def copy_checkpoint(
             format_version=min(index.format_version, PLAIN_VERSION),
         )
         commit.finish(copied.to_json())
-    except BaseException:
+    except BaseException as exc:
         commit.abort(written, remove_directory=True)
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+            raise CheckpointError(
+                f"{storage.where}: copying {ckpt.where} there failed ({exc}); nothing of "
+                "the copy is left. Free space or fix permissions there, then copy again"
+            ) from exc
         raise
     finally:
         commit.release()

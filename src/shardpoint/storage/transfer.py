@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from ..errors import CorruptCheckpointError
 from . import CheckpointStorage
 from .io_types import BLOCK
 
@@ -32,6 +33,11 @@ def copy_file(
         for block in source.iter_bytes(name, BLOCK):
             writer.write(offset, block)
             offset += len(block)
+        if offset != size:  # a local target would pad or cut it to size silently
+            raise CorruptCheckpointError(
+                f"{source.location(name)}: {offset} bytes read, {size} expected (the file "
+                "changed while it was copied)"
+            )
         writer.close()
     except BaseException:
         writer.abort()
