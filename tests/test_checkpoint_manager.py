@@ -93,6 +93,37 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, da
     assert [e["event"] for e in events][-2:] == ["fallback", "restore"]
 
 
+def test_steps_a_restore_passed_over_are_saved_anew_by_the_resumed_run(tmp_path):
+    """Steps 2 and 3 are damaged; the run resumes from 1. Its own steps 2 and 3 used to
+    be skipped as "already committed" (the damaged ones kept, retention counting them
+    as the newest, every restore trying them first). Now the first save moves them
+    aside, every byte kept (a failure to read may have been passing), and the resumed
+    run's checkpoints are the ones a later restore finds."""
+    m = _manager(tmp_path, retention=RetentionPolicy(keep_last=None))
+    for s in (1, 2, 3):
+        m.save(s, _state(s), force=True)
+    for s in (2, 3):
+        shard = next(m.path_for(s).glob("*.safetensors"))
+        raw = bytearray(shard.read_bytes())
+        raw[-2] ^= 0xFF
+        shard.write_bytes(raw)
+    m = _manager(tmp_path, retention=RetentionPolicy(keep_last=2))
+    with pytest.warns(UserWarning, match="not usable"):
+        assert m.restore(_state(0)) == 1
+    with pytest.warns(UserWarning, match="could not use this checkpoint; moved to") as caught:
+        assert m.save(2, _state(22), force=True) is not None
+    assert len([w for w in caught if "moved to" in str(w.message)]) == 2
+    assert m.steps() == [1, 2]  # the new 2 beside 1 (keep_last=2); the damaged ones aside
+    root = tmp_path / "ckpts"
+    aside = sorted(p.name for p in root.iterdir() if ".unusable-" in p.name)
+    assert aside == ["step-000000002.unusable-1", "step-000000003.unusable-1"]
+    assert all((root / a / "index.json").exists() for a in aside)  # nothing deleted
+    events = [json.loads(x) for x in (root / "events.jsonl").read_text().splitlines()]
+    assert sorted(e["step"] for e in events if e["event"] == "set_aside") == [2, 3]
+    dest = _state(0)
+    assert _manager(tmp_path).restore(dest) == 2 and dest["w"].tolist() == [22.0] * 4
+
+
 def test_fast_verification_skips_checksums(tmp_path):
     m = _manager(tmp_path, policy=SavePolicy(every_n_steps=1), io=IOOptions(verify="fast"))
     m.save(1, _state(1))
@@ -139,12 +170,12 @@ def test_the_save_just_made_is_kept_beside_a_higher_damaged_step(tmp_path):
     for s in (100, 200, 300):
         m.save(s, _state(s), force=True)
     shard = next((tmp_path / "ckpts" / "step-000000300").glob("*.safetensors"))
-    shard.write_bytes(shard.read_bytes()[:10])
-    assert m.restore(_state(0)) is None  # keep_last=1 left only step 300, now damaged
-    m.save(50, _state(50), force=True)
+    shard.write_bytes(shard.read_bytes()[:10])  # keep_last=1 left only 300: now damaged
+    m.save(50, _state(50), force=True)  # (a run going on without a restore)
     m.save(150, _state(150), force=True)
     assert m.steps() == [150, 300]
-    assert _manager(tmp_path).restore(state := _state(0)) == 150 and state["step"] == 150
+    with pytest.warns(UserWarning, match="step 300 is not usable"):
+        assert _manager(tmp_path).restore(state := _state(0)) == 150 and state["step"] == 150
 
 
 def test_retention_and_clean_up_never_delete_through_a_linked_step(tmp_path):

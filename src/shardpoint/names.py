@@ -34,6 +34,12 @@ def step_dir(step: int) -> str:
     return f"step-{step:09d}"
 
 
+def set_aside_dir(step: int, n: int) -> str:
+    """The name a checkpoint a restore could not use is moved to (``n``: the first free
+    one): not a step directory, so neither restored, counted nor deleted."""
+    return f"{step_dir(step)}.unusable-{n}"
+
+
 def parse_step_dir(name: str) -> int | None:
     """The step of a ``step-NNNNNNNNN`` directory name, else None."""
     m = _STEP_DIR.match(name)

@@ -177,6 +177,8 @@ class CheckpointManager:
         # process saved (incremental.py); the first save after a start writes all.
         self._chain = IncrementalChain() if incremental else None
         self._saving_to: Any = None  # the async save in flight
+        # Steps the last restore passed over (no copy could be used) -> those tiers.
+        self._unusable: dict[int, set[str]] = {}
         self._last_save = time.monotonic()
         self._signal: int | None = None
         self._preempting = False  # the latest save decision's, agreed by every rank
@@ -283,9 +285,15 @@ class CheckpointManager:
         """
         if self._uploader is not None:
             self._uploader.flush()
+        failed: dict[int, set[str]] = {}  # step -> the tiers whose copy could not be used
         for step, load_it in self._candidates():
             if load_it(state):
+                self._unusable = {s: tiers for s, tiers in failed.items() if s > step}
                 return step
+            tier = getattr(load_it, "keywords", {}).get("tier")  # None: the memory tier
+            if tier is not None:
+                failed.setdefault(step, set()).add(tier)
+        self._unusable = failed
         return None
 
     def _candidates(self) -> list[tuple[int, Callable[[Any], bool]]]:
@@ -521,6 +529,8 @@ class CheckpointManager:
         """
         if not force and not self.should_save(step):
             return None
+        if self._unusable:
+            self._set_aside_unusable()
         if force:
             self._preempting = self._agreed_preemption()
         path = self.path_for(step)
@@ -604,6 +614,42 @@ class CheckpointManager:
             if seen and self._signal is None:
                 self._signal = seen
         return bool(seen)
+
+    def _set_aside_unusable(self) -> None:
+        """Collective, at the first save after a restore that passed over newer steps
+        (no copy of theirs could be used): rename their directories out of the way,
+        every byte kept (``step-N.unusable-K``). This run goes on from an older step and
+        saves those steps anew; left in place they were taken for this run's saves
+        (skipped as saved already), kept by retention as the newest, and tried first by
+        every later restore. A failure to read them may have been passing (a store or
+        disk that was down), so nothing is deleted: the user decides."""
+        unusable, self._unusable = self._unusable, {}
+        tiers = [("local", self.tier, self._keeps_local)]
+        if self.remote is not None:
+            tiers.append(("remote", self.remote, dist.rank() == 0))
+        for name, tier, mine in tiers:
+            for step in sorted(s for s, tried in unusable.items() if name in tried and mine):
+                try:
+                    where = tier.set_aside(step)
+                except OSError as exc:
+                    self._cannot_delete(tier.path_for(step), exc)
+                    continue
+                if where is None:
+                    warnings.warn(
+                        f"{tier.path_for(step)}: the restore could not use this checkpoint "
+                        "and it cannot be moved aside here (an object store, or a link): "
+                        "this run will not save that step again until it is removed",
+                        stacklevel=3,
+                    )
+                    continue
+                warnings.warn(
+                    f"{tier.path_for(step)}: the restore could not use this checkpoint; moved "
+                    f"to {where} (delete it when it is not needed) so that this run saves "
+                    "that step again",
+                    stacklevel=3,
+                )
+                self.events.write("set_aside", step=step, path=where, tier=name)
+        dist.barrier()  # moved on every node before any rank saves one of those steps
 
     def _apply_retention(self, saved: int) -> None:
         """Apply the policy after the save of step ``saved``, which is always kept: a

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
+from pathlib import Path
 from typing import Any
 
 from .. import dist
@@ -20,9 +21,18 @@ from ..checkpoint_dir import MAX_INDEX_BYTES
 from ..commit import Commit
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.index import Index, parse_index, split_reference
-from ..names import INDEX_NAME, PRUNED_NAME, is_own_file, parse_step_dir, step_dir, writer_rank
+from ..names import (
+    INDEX_NAME,
+    PRUNED_NAME,
+    is_own_file,
+    parse_step_dir,
+    set_aside_dir,
+    step_dir,
+    writer_rank,
+)
 from ..references import References
-from ..storage import CheckpointStorage, join, open_storage
+from ..storage import CheckpointStorage, is_url, join, open_storage
+from ..storage.direct_io import fsync_directory
 from ..storage.transfer import copy_files
 
 
@@ -67,6 +77,21 @@ class CheckpointTier:
         """Whether the step's directory is a symbolic link (an earlier run's checkpoint
         linked in): read through, never deleted through."""
         return os.path.islink(self.path_for(step))
+
+    def set_aside(self, step: int) -> str | None:
+        """Rename the step's directory out of the way (``names.set_aside_dir``), keeping
+        every byte of it; returns where it went, or None where a rename is not possible
+        (an object store) or the directory is a link (an earlier run's, left alone)."""
+        if is_url(self.root) or self.linked(step):
+            return None
+        parent = Path(self.root)
+        n = 1
+        while (parent / set_aside_dir(step, n)).exists():
+            n += 1
+        target = parent / set_aside_dir(step, n)
+        os.rename(self.path_for(step), target)  # atomic: seen whole under one name only
+        fsync_directory(parent)
+        return str(target)
 
     def delete(self, step: int, keep: Collection[str] = ()) -> None:
         """Delete a checkpoint, except its files in ``keep`` (see ``references``)."""
