@@ -516,3 +516,74 @@ def test_an_error_on_one_rank_during_restore_is_raised_on_every_rank(tmp_path, w
         timeout=60,
     )
     assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
+
+
+def test_a_failed_background_save_does_not_stop_the_preemption_save(tmp_path, monkeypatch):
+    """SIGTERM after a background save failed: the final save waits for the one in
+    flight, whose error used to be raised there, so nothing was saved and the job died
+    with that error instead of exiting for a requeue."""
+    import shardpoint.background_save as background_save
+    from shardpoint import CheckpointError
+
+    real, failed = background_save._finish_in_background, []
+
+    def first_fails(finish, *args):  # noqa: ANN001, ANN002, ANN202
+        if not failed:
+            failed.append(True)
+
+            def finish():  # noqa: ANN202
+                raise CheckpointError("the disk went away (injected)")
+
+        return real(finish, *args)
+
+    monkeypatch.setattr(background_save, "_finish_in_background", first_fails)
+    m = _manager(
+        tmp_path,
+        policy=SavePolicy(every_n_steps=10),
+        async_save=True,
+        preemption_signals=(signal.SIGUSR1,),
+    )
+    assert m.maybe_save(10, _state(10)) is not None  # staged; fails in the background
+    os.kill(os.getpid(), signal.SIGUSR1)
+    with pytest.warns(UserWarning, match="background save in flight failed"):
+        assert m.maybe_save(11, _state(11)) is not None
+    assert m.should_stop and m.steps() == [11]
+    m.close()
+
+
+def test_close_after_a_failed_background_save_still_finishes_the_uploads(tmp_path, monkeypatch):
+    """``close()`` raises the failed save's error, and first lets the newest committed
+    checkpoint reach the remote tier (the upload thread was left to die with the
+    process, and that checkpoint with a node-local disk)."""
+    import time
+
+    import shardpoint.background_save as background_save
+    from shardpoint import CheckpointError, RemoteTier
+    from shardpoint.training.tiers import Uploader
+
+    real, calls = background_save._finish_in_background, []
+
+    def second_fails(finish, *args):  # noqa: ANN001, ANN002, ANN202
+        calls.append(True)
+        if len(calls) == 2:
+
+            def finish():  # noqa: ANN202
+                raise CheckpointError("the disk went away (injected)")
+
+        return real(finish, *args)
+
+    real_round = Uploader._round
+
+    def slow_round(self, newest):  # noqa: ANN001, ANN202
+        time.sleep(1.0)  # an object store slower than the training loop
+        return real_round(self, newest)
+
+    monkeypatch.setattr(background_save, "_finish_in_background", second_fails)
+    monkeypatch.setattr(Uploader, "_round", slow_round)
+    m = _manager(tmp_path, async_save=True, remote=RemoteTier(str(tmp_path / "remote")))
+    m.save(1, _state(1), force=True)
+    m.wait()  # committed locally; its upload is under way
+    m.save(2, _state(2), force=True)  # fails in the background
+    with pytest.raises(CheckpointError, match="injected"):
+        m.close()
+    assert 1 in CheckpointManager(tmp_path / "remote", preemption_signals=()).steps()

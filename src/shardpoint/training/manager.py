@@ -536,7 +536,17 @@ class CheckpointManager:
         path = self.path_for(step)
         preempting = self._preempting
         if self._saver is not None and (preempting or self._saving_to == path):
-            self.wait()  # the final save must not race the one in flight
+            try:
+                self.wait()  # the final save must not race the one in flight
+            except CheckpointError as exc:
+                if not preempting:
+                    raise
+                # Its failure is logged (save_failed); the final save matters more now.
+                warnings.warn(
+                    f"the background save in flight failed ({exc}); saving the final "
+                    "checkpoint now",
+                    stacklevel=2,
+                )
         committed = self.tier.committed(step)
         if self.per_node:  # nodes may differ (a replaced node): one answer for all
             committed = bool(dist.max_of([int(committed)])[0])
@@ -751,9 +761,11 @@ class CheckpointManager:
         if self.memory is not None:
             self.memory.close(release=release_memory)
         try:
-            self.wait()
-            if self._uploader is not None:
-                self._uploader.close()  # the newest checkpoint reaches the remote tier
+            try:
+                self.wait()
+            finally:  # even after a failed save: the newest committed one is uploaded
+                if self._uploader is not None:
+                    self._uploader.close()
         finally:
             for sig, handler in self._previous_handlers.items():
                 signal.signal(sig, handler)
