@@ -283,6 +283,23 @@ def test_tied_weights_loaded_as_a_shard_and_as_a_whole_tensor_both_get_their_byt
     run_ranks(2, _tied_load_sharded_and_whole, str(tmp_path / "ckpt"))
 
 
+def _values_that_differ_per_rank(rank: int, world: int, path: str) -> None:
+    for state in (
+        {"buf": torch.arange(rank + 2, dtype=torch.float32)},  # shapes differ
+        {"buf": torch.zeros(4, dtype=torch.float32 if rank == 0 else torch.float64)},
+    ):
+        with pytest.raises(shardpoint.CheckpointError, match="differs per rank.*PerRank"):
+            shardpoint.save(state, path)
+        assert not (Path(path) / MARKER_NAME).exists()
+
+
+def test_a_plain_tensor_that_differs_per_rank_is_refused_at_save(tmp_path):
+    """Without ``PerRank``, a plain tensor is one value every rank holds a copy of: one
+    of another shape or dtype on some rank used to commit a checkpoint no load took
+    ("the chunks do not cover its shape": damaged, and fallen back from)."""
+    run_ranks(2, _values_that_differ_per_rank, str(tmp_path / "ckpt"))
+
+
 def _failing_save(rank: int, world: int, path: str) -> None:
     import shardpoint.storage.local as local
 

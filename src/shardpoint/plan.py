@@ -84,11 +84,13 @@ def plan_writes(
     for rank, held in enumerate(replicated):
         holders.setdefault(id(held), (held, []))[1].append(rank)
     # chunk -> the rank lists of the lists that hold it (usually one: shared, unchanged)
-    found: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[list[int]]] = {}
-    first: dict[tuple[str, tuple[int, ...], tuple[int, ...]], Holding] = {}
+    # A chunk is one value held by several ranks only if its dtype agrees too: ranks
+    # that differ each write theirs, and the commit refuses the entry (it names both).
+    found: dict[tuple[str, tuple[int, ...], tuple[int, ...], str], list[list[int]]] = {}
+    first: dict[tuple[str, tuple[int, ...], tuple[int, ...], str], Holding] = {}
     for held, ranks in holders.values():
         for h in held:
-            key = (h.name, h.offsets, h.shape)
+            key = (h.name, h.offsets, h.shape, h.dtype)
             lists = found.get(key)
             if lists is None:
                 found[key] = [ranks]
@@ -97,7 +99,7 @@ def plan_writes(
                 lists.append(ranks)
     # Chunks held by the same lists share one merged list of their ranks (and a heap).
     merged: dict[tuple[int, ...], list[int]] = {}
-    groups: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    groups: dict[tuple[str, tuple[int, ...], tuple[int, ...], str], list[int]] = {}
     for key, lists in found.items():
         if len(lists) == 1:
             groups[key] = lists[0]

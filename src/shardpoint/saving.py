@@ -1311,7 +1311,13 @@ def _index(
         headers.update(r.headers)
         for c in r.chunks:
             if included(rank, c):
-                meta[c.name] = (c.dtype, c.global_shape)
+                if meta.setdefault(c.name, (c.dtype, c.global_shape)) != (c.dtype, c.global_shape):
+                    dtype, shape = meta[c.name]
+                    raise UnsupportedValueError(
+                        f"tensor {c.name!r} is {dtype}{list(shape)} on one rank and "
+                        f"{c.dtype}{list(c.global_shape)} on rank {rank}: a value that differs "
+                        "per rank must be wrapped in shardpoint.PerRank (or be a DTensor)"
+                    )
                 chunks_of.setdefault(c.name, []).append(c.chunk)
                 files[c.chunk.file] = r.file_size(c.chunk.file)
         if node is None or (nodes is not None and nodes[rank] == node):
