@@ -587,3 +587,22 @@ def test_close_after_a_failed_background_save_still_finishes_the_uploads(tmp_pat
     with pytest.raises(CheckpointError, match="injected"):
         m.close()
     assert 1 in CheckpointManager(tmp_path / "remote", preemption_signals=()).steps()
+
+
+def test_metrics_are_stored_as_numbers_and_a_diverged_loss_does_not_fail_the_save(tmp_path):
+    """A 0-d tensor or NumPy loss is its float; NaN or infinity (a diverged loss) is
+    stored as unknown. Each of them used to fail the whole save at its commit."""
+    import numpy as np
+
+    from shardpoint import CheckpointReader
+
+    m = _manager(tmp_path, retention=RetentionPolicy(keep_best=1, best_metric="loss"))
+    losses = {1: torch.tensor(0.5), 2: float("nan"), 3: np.float32(0.25), 4: float("inf")}
+    for step, loss in losses.items():
+        assert m.save(step, _state(step), force=True, metrics={"loss": loss}) is not None
+    stored = {}
+    for step in m.steps():
+        with CheckpointReader(m.path_for(step)) as r:
+            stored[step] = r.metadata["user"]["metrics"]["loss"]
+    assert stored[3] == 0.25 and stored.get(2, None) is None and stored.get(4, None) is None
+    assert 3 in m.steps() and 1 not in m.steps()  # best by loss: 0.25

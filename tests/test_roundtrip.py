@@ -281,3 +281,10 @@ def test_conjugate_and_negative_views_save_their_values_and_are_refused_as_desti
     with pytest.raises(shardpoint.UnsupportedValueError, match="conjugate"):
         shardpoint.load({"t": base.conj(), "c": out["c"], "n": out["n"]}, ckpt_dir)
     assert not base.any()
+
+
+def test_metadata_that_json_cannot_hold_is_refused_before_a_byte_is_written(ckpt_dir):
+    for bad in ({"loss": float("nan")}, {"loss": torch.tensor(0.5)}, {"x": object()}):
+        with pytest.raises(shardpoint.CheckpointError, match="metadata cannot be stored"):
+            shardpoint.save({"w": torch.ones(1000)}, ckpt_dir, metadata=bad)
+        assert not ckpt_dir.exists() or not any(ckpt_dir.iterdir())

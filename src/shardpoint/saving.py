@@ -40,6 +40,7 @@ from .format.index import (
     TensorEntry,
     block_checksums,
     block_rows_for,
+    check_user_metadata,
     checksum,
     fragment_json,
 )
@@ -225,6 +226,8 @@ def _write_phase(
     written: Callable[[], WriteResult]
     references: tuple[list[ChunkRecord], dict[str, int]] = ([], {})
     try:
+        if options.metadata is not None:  # refused before a byte is written, not at the commit
+            check_user_metadata(options.metadata)
         if plan.unsettled:  # nothing to write: the commit's verdict has this save replanned
             result = WriteResult(error=plan.error)
             written = lambda: result  # noqa: E731

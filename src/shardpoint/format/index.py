@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 
 from .. import tree as tree_codec
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UnsupportedValueError
 from ..gc_pause import gc_paused
 from ..sharding import Mesh, Sharding
 from .safetensors import (
@@ -226,6 +226,17 @@ def _user_json(value: Any) -> msgspec.Raw:
     return msgspec.Raw(
         json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
     )
+
+
+def check_user_metadata(value: Any) -> None:
+    """Refuse metadata the index could not hold, naming why (before a byte is written)."""
+    try:
+        _user_json(value)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UnsupportedValueError(
+            f"the save's metadata cannot be stored as JSON ({exc}); pass numbers, strings, "
+            "lists and dicts (NaN and infinity are refused)"
+        ) from None
 
 
 def fragment_json(

@@ -8,6 +8,7 @@ the event log.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -553,7 +554,8 @@ class CheckpointManager:
         if committed:
             self._after_save()
             return None
-        metadata = {"step": step, "metrics": dict(metrics or {})}
+        metrics = _plain_metrics(metrics)
+        metadata = {"step": step, "metrics": metrics}
         reason = "preemption" if preempting else "interval"
         if self._saver is None or preempting:
             io = self.io
@@ -782,6 +784,21 @@ class CheckpointManager:
 
 # How a rank's restore attempt failed, gravest last (``dist.worst_error``).
 _UNUSABLE, _FAILED, _MISMATCH = 0, 1, 2
+
+
+def _plain_metrics(metrics: dict[str, Any] | None) -> dict[str, float | None]:
+    """Metrics as JSON numbers: a 0-d tensor or NumPy scalar as its float, NaN and
+    infinity (a diverged loss) as None, which retention reads as unknown."""
+    out: dict[str, float | None] = {}
+    for name, value in (metrics or {}).items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise UnsupportedValueError(
+                f"metric {name!r} = {value!r:.80} is not a number ({exc}); pass a float"
+            ) from None
+        out[str(name)] = number if math.isfinite(number) else None
+    return out
 
 
 def _directory_per_node(storage: CheckpointStorage) -> bool:
