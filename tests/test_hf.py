@@ -238,6 +238,17 @@ def test_pickle_weights_are_refused_unless_the_user_opts_in(tmp_path):
     assert torch.equal(target.weight, model.weight)
 
 
+def test_pickle_weights_of_other_shapes_or_dtypes_are_refused_before_any_is_loaded(tmp_path):
+    """As for safetensors files: a .bin of a larger model used to be cut down to the
+    model's shapes silently (a smaller one gave a raw torch error)."""
+    torch.save(torch.nn.Linear(4, 3).state_dict(), tmp_path / "pytorch_model.bin")
+    for target in (torch.nn.Linear(4, 2), torch.nn.Linear(4, 5), torch.nn.Linear(4, 3).double()):
+        before = {k: v.clone() for k, v in target.state_dict().items()}
+        with pytest.raises(StateMismatchError, match="do not fit the model.*'weight'"):
+            load_hf(target, tmp_path, allow_pickle_weights=True)
+        assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+
+
 def test_pickle_weights_are_read_from_the_files_the_layout_names(tmp_path):
     """A Trainer's folder also holds training_args.bin (an object, not weights) and
     may hold other .bin files: only pytorch_model.bin, or the files its index names, are

@@ -470,11 +470,21 @@ def _read_pickle_weights(source: Path) -> dict[str, torch.Tensor]:
 def _load_pickle_weights(dests: dict[str, torch.Tensor], source: Path, strict: bool) -> None:
     stored = _read_pickle_weights(source)
     _check_fit(dests, set(stored), strict, str(source))
+    parts = {n: local_part(plain(d), n) for n, d in dests.items() if n in stored}
+    differ = [
+        f"{n!r}: the file has {stored[n].dtype}{list(stored[n].shape)}, the model "
+        f"{dests[n].dtype}{list(shape)}"
+        for n, (_, shape, _) in parts.items()
+        if tuple(stored[n].shape) != tuple(shape) or stored[n].dtype != dests[n].dtype
+    ]
+    if differ:  # checked before any tensor is written, as for safetensors files
+        more = f" (+{len(differ) - 10} more)" if len(differ) > 10 else ""
+        raise StateMismatchError(
+            f"{source}: weights do not fit the model: {'; '.join(differ[:10])}{more}; load "
+            "them into the model they were saved from"
+        )
     with torch.no_grad():
-        for name, dest in dests.items():
-            if name not in stored:
-                continue
-            part, _, offsets = local_part(plain(dest), name)
+        for name, (part, _, offsets) in parts.items():
             box = stored[name]
             for dim, (o, s) in enumerate(zip(offsets, part.shape)):
                 box = box.narrow(dim, o, s)
