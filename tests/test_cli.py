@@ -217,6 +217,27 @@ def test_export_hf_and_import_hf_commands(tmp_path, capsys):
     assert main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "y"), "--rename", "bad"]) == 2
 
 
+def test_names_with_brackets_are_printed_as_they_are(tmp_path, capsys):
+    """Tensor names are text, not console markup: ``attn[q].weight`` lost its ``[q]``
+    and ``w[/x]`` crashed inspect and diff (exit 1, read as "differences found")."""
+    names = ["attn[q].weight", "w[/x]", "[bold]b"]
+    shardpoint.save({n: torch.ones(2) for n in names}, tmp_path / "a")
+    shardpoint.save({n: torch.zeros(2) for n in names}, tmp_path / "b")
+    assert main(["inspect", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert all(n in out for n in names)
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    out = capsys.readouterr().out
+    assert all(f"~ {n}" in out for n in names)
+    assert main(["verify", str(tmp_path / "a")]) == 0
+
+
+def test_a_rename_rule_that_is_not_a_regular_expression_is_a_clear_error(tmp_path, capsys):
+    _save(tmp_path / "ckpt")
+    assert main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "x"), "--rename", "(=x"]) == 2
+    assert "is not a regular expression" in capsys.readouterr().err
+
+
 def test_import_hf_refuses_pickle_weights(tmp_path, capsys):
     torch.save({"w": torch.ones(2)}, tmp_path / "pytorch_model.bin")
     assert main(["import-hf", str(tmp_path), str(tmp_path / "out")]) == 2

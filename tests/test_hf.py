@@ -68,6 +68,32 @@ def test_export_writes_the_sharded_layout_with_index_and_pt_metadata(tmp_path):
             assert torch.equal(f.get_tensor(name), state["model"][name])
 
 
+def test_a_failed_export_leaves_no_half_export_and_can_be_run_again(tmp_path, monkeypatch):
+    """A source file failing its checksum (here: the third file's write failing) used
+    to leave the finished files, and the next try refused the directory as holding an
+    export; a killed export's .tmp files are not in the way either."""
+    import shardpoint.hf as hf
+
+    state = {"model": {f"w{i}": torch.randn(100, 10) for i in range(5)}}
+    shardpoint.save(state, tmp_path / "ckpt")
+    real, calls = hf._write_hf_file, []
+
+    def third_fails(reader, out, file, *args):  # noqa: ANN001, ANN002, ANN202
+        calls.append(file)
+        if len(calls) == 3:
+            (tmp_path / "hf" / f"{file}.tmp").write_bytes(b"half")  # as a killed export
+            raise shardpoint.CorruptCheckpointError("checksum mismatch (injected)")
+        return real(reader, out, file, *args)
+
+    monkeypatch.setattr(hf, "_write_hf_file", third_fails)
+    with pytest.raises(shardpoint.CorruptCheckpointError, match="injected"):
+        export_hf(tmp_path / "ckpt", tmp_path / "hf", prefix="model.", max_shard_size="9KB")
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["model-00003-of-00003.safetensors.tmp"]
+    monkeypatch.setattr(hf, "_write_hf_file", real)
+    result = export_hf(tmp_path / "ckpt", tmp_path / "hf", prefix="model.", max_shard_size="9KB")
+    assert len(result.files) == 3 and (tmp_path / "hf" / HF_INDEX).exists()
+
+
 def test_a_model_that_fits_one_shard_is_a_single_file_without_index(tmp_path):
     shardpoint.save({"a": torch.ones(3)}, tmp_path / "ckpt")
     export_hf(tmp_path / "ckpt", tmp_path / "hf")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.tree import Tree
@@ -149,7 +150,7 @@ def _ls(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(rows)
         return 0
-    table = Table(title=str(args.path), title_justify="left")
+    table = Table(title=escape(str(args.path)), title_justify="left")
     columns = ("checkpoint", "step", "created", "size", "referenced", "files", "ranks", "status")
     for column in columns:
         right = column in ("step", "size", "referenced")
@@ -157,7 +158,7 @@ def _ls(args: argparse.Namespace) -> int:
     colour = {"valid": "green", "invalid": "bold red", "uncommitted": "yellow", "pruned": "dim"}
     for r in rows:
         table.add_row(
-            _name(r["path"]),
+            escape(_name(r["path"])),
             "" if r["step"] is None else str(r["step"]),
             r.get("created", ""),
             human_bytes(r.get("size", 0)),
@@ -170,7 +171,9 @@ def _ls(args: argparse.Namespace) -> int:
     console.print(table)
     for r in rows:
         if r["error"]:
-            console.print(f"[red]{_name(r['path'])}[/]: {r['error']}", highlight=False)
+            console.print(
+                f"[red]{escape(_name(r['path']))}[/]: {escape(r['error'])}", highlight=False
+            )
     return 0
 
 
@@ -204,7 +207,7 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     console = _console()
     console.print(
-        f"[bold]{args.path}[/]  format v{meta['format_version']}, shardpoint "
+        f"[bold]{escape(str(args.path))}[/]  format v{meta['format_version']}, shardpoint "
         f"{meta['library_version']}, created {meta['created']}, {meta['world_size']} rank(s)",
         highlight=False,
     )
@@ -213,12 +216,14 @@ def _inspect(args: argparse.Namespace) -> int:
         table.add_column(column, justify="right" if column == "size" else "left")
     for r in rows:
         if r["alias_of"]:
-            sharding = f"= {r['alias_of']} (tied)"
+            sharding = f"= {escape(r['alias_of'])} (tied)"
         elif r["chunks"] == 1:
             sharding = f"whole, rank {r['ranks'][0]}" if r["ranks"] else "whole"
         else:
             sharding = f"{r['chunks']} chunks on ranks {_ranges(r['ranks'])}"
-        table.add_row(r["name"], r["dtype"], str(r["shape"]), human_bytes(r["bytes"]), sharding)
+        table.add_row(
+            escape(r["name"]), r["dtype"], str(r["shape"]), human_bytes(r["bytes"]), sharding
+        )
     console.print(table)
     tree = Tree("[bold]non-tensor state[/]")
     _add_values(tree, values)
@@ -251,9 +256,9 @@ def _add_values(tree: Tree, value: Any, limit: int = 200) -> None:
             return
         shown += 1
         if isinstance(v, (dict, list, tuple)) and v and not all(_is_entry(x) for x in _vals(v)):
-            _add_values(tree.add(f"[cyan]{key}[/]"), v, limit)
+            _add_values(tree.add(f"[cyan]{escape(str(key))}[/]"), v, limit)
         elif not isinstance(v, (dict, list, tuple)):
-            tree.add(f"[cyan]{key}[/] = {_short(v)}")
+            tree.add(f"[cyan]{escape(str(key))}[/] = {escape(_short(v))}")
 
 
 def _vals(v: Any) -> list[Any]:
@@ -330,18 +335,19 @@ def _verify(args: argparse.Namespace) -> int:
     console = _console()
     for r in reports:
         for err in r.errors:
-            console.print(f"[bold red]ERROR[/] {err}", highlight=False)
+            console.print(f"[bold red]ERROR[/] {escape(err)}", highlight=False)
         for f in r.files:
             status = "[green]ok[/]     " if f.ok else "[bold red]CORRUPT[/]"
             console.print(
-                f"{status} {f.name}  {human_bytes(f.size)}  {f.chunks} chunks", highlight=False
+                f"{status} {escape(f.name)}  {human_bytes(f.size)}  {f.chunks} chunks",
+                highlight=False,
             )
             for err in f.errors:
-                console.print(f"         {err}", highlight=False)
+                console.print(f"         {escape(err)}", highlight=False)
         verdict = "[green]valid[/]" if r.ok else "[bold red]CORRUPT or incomplete[/]"
-        console.print(f"{r.path}: checkpoint is {verdict}", highlight=False)
+        console.print(f"{escape(str(r.path))}: checkpoint is {verdict}", highlight=False)
     for path, why in skipped.items():
-        console.print(f"[yellow]skipped[/] {path} ({why})", highlight=False)
+        console.print(f"[yellow]skipped[/] {escape(str(path))} ({why})", highlight=False)
     return 0 if ok else 1
 
 
@@ -369,13 +375,13 @@ def _diff(args: argparse.Namespace) -> int:
         return 1 if result.differs else 0
     console = _console()
     for name in result.added:
-        console.print(f"[green]+ {name}[/]", highlight=False)
+        console.print(f"[green]+ {escape(name)}[/]", highlight=False)
     for name in result.removed:
-        console.print(f"[red]- {name}[/]", highlight=False)
+        console.print(f"[red]- {escape(name)}[/]", highlight=False)
     for change in result.changed:
-        console.print(f"[yellow]~ {change.name}[/]  {change.detail}", highlight=False)
+        console.print(f"[yellow]~ {escape(change.name)}[/]  {change.detail}", highlight=False)
     for path in result.values_changed:
-        console.print(f"[yellow]~ {path}[/] (value)", highlight=False)
+        console.print(f"[yellow]~ {escape(path)}[/] (value)", highlight=False)
     console.print(
         f"{len(result.added)} added, {len(result.removed)} removed, {len(result.changed)} tensors "
         f"and {len(result.values_changed)} values changed, {result.unchanged} tensors identical"
@@ -470,9 +476,9 @@ def _report_saved(
         return 0
     console = _console()
     size = f" ({human_bytes(nbytes)})" if nbytes is not None else ""
-    console.print(f"wrote {tensors} tensors{size} to {path}", highlight=False)
+    console.print(f"wrote {tensors} tensors{size} to {escape(str(path))}", highlight=False)
     if skipped:
-        console.print(f"[yellow]not converted (not tensors):[/] {', '.join(skipped[:10])}")
+        console.print(f"[yellow]not converted (not tensors):[/] {escape(', '.join(skipped[:10]))}")
     return 0
 
 
@@ -527,11 +533,11 @@ def _prune(args: argparse.Namespace) -> int:
     console = _console()
     verb = "would delete" if args.dry_run else "deleted"
     for r in delete:
-        console.print(f"[red]{verb}[/] {r['path']}", highlight=False)
+        console.print(f"[red]{verb}[/] {escape(str(r['path']))}", highlight=False)
     for path in doc["kept_for_references"]:
-        console.print(f"[dim]kept the files newer checkpoints refer to in[/] {path}")
+        console.print(f"[dim]kept the files newer checkpoints refer to in[/] {escape(str(path))}")
     for path, why in left_alone.items():
-        console.print(f"[yellow]left alone[/] {path} ({why})", highlight=False)
+        console.print(f"[yellow]left alone[/] {escape(str(path))} ({why})", highlight=False)
     console.print(f"{verb} {len(delete)}, kept {len(keep)}")
     return 0
 

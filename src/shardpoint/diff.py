@@ -50,11 +50,12 @@ def diff_checkpoints(
     """What differs from ``a`` to ``b``: tensor entries (by value, checksum-verified
     reads) and the non-tensor state (by path)."""
     names_a, names_b = a.keys(), b.keys()
+    in_a, in_b = set(names_a), set(names_b)
     result = CheckpointDiff(
-        added=[n for n in names_b if n not in set(names_a)],
-        removed=[n for n in names_a if n not in set(names_b)],
+        added=[n for n in names_b if n not in in_a],
+        removed=[n for n in names_a if n not in in_b],
     )
-    for name in (n for n in names_a if n in set(names_b)):
+    for name in (n for n in names_a if n in in_b):
         ea, eb = a.entry(name), b.entry(name)
         if (ea.dtype, ea.shape) != (eb.dtype, eb.shape):
             detail = f"{ea.dtype}{list(ea.shape)} -> {eb.dtype}{list(eb.shape)}"

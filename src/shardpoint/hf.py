@@ -18,6 +18,7 @@ directory and must be a regular file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -113,7 +114,12 @@ def export_hf(
     """
     limit = parse_size(max_shard_size)
     cast = _cast_dtype(dtype)
-    rules = [(re.compile(pattern), replacement) for pattern, replacement in rename]
+    try:
+        rules = [(re.compile(pattern), replacement) for pattern, replacement in rename]
+    except re.error as exc:
+        raise ValueError(
+            f"rename pattern {exc.pattern!r} is not a regular expression: {exc}"
+        ) from None
     dest = open_storage(out)
     with CheckpointReader(checkpoint) as reader:
         plan: list[tuple[str, str, str, tuple[int, ...]]] = []  # source, name, dtype, shape
@@ -143,17 +149,26 @@ def export_hf(
         names = _file_names(len(shards))
         _prepare_output(dest)
         weight_map: dict[str, str] = {}
-        for file, tensors in zip(names, shards):
-            _write_hf_file(reader, dest, file, tensors, progress)
-            weight_map.update({name: file for _, name, _, _ in tensors})
         total = sum(math.prod(shape) * itemsize(dt) for _, _, dt, shape in plan)
-        if len(names) > 1:
-            index = {
-                "metadata": {"total_size": total},
-                "weight_map": dict(sorted(weight_map.items())),
-            }
-            dest.write_small_durably(HF_INDEX, json.dumps(index, indent=2).encode())
-        dest.sync()
+        written: list[str] = []
+        try:
+            for file, tensors in zip(names, shards):
+                _write_hf_file(reader, dest, file, tensors, progress)
+                written.append(file)
+                weight_map.update({name: file for _, name, _, _ in tensors})
+            if len(names) > 1:
+                index = {
+                    "metadata": {"total_size": total},
+                    "weight_map": dict(sorted(weight_map.items())),
+                }
+                dest.write_small_durably(HF_INDEX, json.dumps(index, indent=2).encode())
+            dest.sync()
+        except BaseException:
+            # No half export (it would refuse the next try): the files it finished go.
+            for file in written:
+                with contextlib.suppress(Exception):
+                    dest.delete(file)
+            raise
     return HFExport(dest.root, names, len(plan), total)
 
 
@@ -189,7 +204,11 @@ def _file_names(n: int) -> list[str]:
 
 def _prepare_output(out: CheckpointStorage) -> None:
     out.prepare()
-    existing = [n for n in out.list() if n.startswith("model") and ".safetensors" in n]
+    existing = [  # a killed export's unfinished .tmp files are overwritten, not in the way
+        n
+        for n in out.list()
+        if n.startswith("model") and ".safetensors" in n and not n.endswith(".tmp")
+    ]
     if existing:
         raise CheckpointExistsError(
             f"{out.where}: already holds an exported model ({sorted(existing)[:3]}); export to an "
