@@ -58,6 +58,14 @@ def test_inspect_of_a_bad_path_prints_a_clear_error(tmp_path, capsys):
     assert "no such checkpoint directory" in capsys.readouterr().err
 
 
+def test_verify_of_a_mistyped_path_is_an_error_not_a_corrupt_checkpoint(tmp_path, capsys):
+    """Exit 2 (error), as inspect and ls: a job alerting on exit 1 ("corrupt") was told a
+    typo was corruption."""
+    for extra in ([], ["--json"]):
+        assert main(["verify", str(tmp_path / "missing"), *extra]) == 2
+        assert "no such checkpoint or directory" in capsys.readouterr().err
+
+
 def test_console_script_runs(ckpt_dir):
     _save(ckpt_dir)
     out = subprocess.run(
@@ -176,6 +184,27 @@ def test_diff_of_tensors_holding_nan_compares_what_is_stored(tmp_path, capsys):
     capsys.readouterr()
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 1
     assert [c["name"] for c in json.loads(capsys.readouterr().out)["changed"]] == ["w"]
+
+
+def test_diff_reports_the_real_difference_beside_nan_and_of_complex_values(tmp_path, capsys):
+    """The JSON is strict (``NaN`` was written, which JSON parsers refuse), a NaN in one
+    tensor does not hide the other elements' difference, and a complex difference is
+    its magnitude (the imaginary part was dropped: 1+1j vs 1+5j differed by 0)."""
+    nan, inf = float("nan"), float("inf")
+    shardpoint.save(
+        {"w": torch.tensor([nan, 1.0, nan]), "c": torch.tensor([1 + 1j]), "i": torch.tensor([0.0])},
+        tmp_path / "a",
+    )
+    shardpoint.save(
+        {"w": torch.tensor([nan, 2.5, 0.0]), "c": torch.tensor([1 + 5j]), "i": torch.tensor([inf])},
+        tmp_path / "b",
+    )
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 1
+    out = capsys.readouterr().out
+    changed = {c["name"]: c for c in json.loads(out, parse_constant=lambda c: 1 / 0)["changed"]}
+    assert changed["w"]["max_abs_diff"] == 1.5 and "NaN in one only at 1" in changed["w"]["detail"]
+    assert changed["c"]["max_abs_diff"] == 4.0
+    assert changed["i"]["max_abs_diff"] == "inf"
 
 
 def test_diff_of_a_corrupt_checkpoint_is_an_error(tmp_path, capsys):

@@ -295,7 +295,9 @@ def _jsonable(value: Any) -> Any:
 def _verify(args: argparse.Namespace) -> int:
     root = args.path
     storage = open_storage(root)
-    single = not storage.exists() or _looks_like_checkpoint(root)
+    if not storage.exists():  # a mistyped path is an error (2), not a corrupt checkpoint (1)
+        raise CheckpointError(f"{root}: no such checkpoint or directory; check the path")
+    single = _looks_like_checkpoint(root)
     paths = [root] if single else _checkpoint_dirs(root)
     skipped = {} if single else {p: why for p in paths if (why := _not_committed(p))}
     paths = [p for p in paths if p not in skipped]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,7 @@ class CheckpointDiff:
             "added": self.added,
             "removed": self.removed,
             "changed": [
-                {"name": c.name, "detail": c.detail, "max_abs_diff": c.max_abs_diff}
+                {"name": c.name, "detail": c.detail, "max_abs_diff": _json_number(c.max_abs_diff)}
                 for c in self.changed
             ],
             "values_changed": self.values_changed,
@@ -67,8 +68,11 @@ def diff_checkpoints(
         if torch.equal(ta, tb) or _same_bytes(ta, tb):  # NaN != NaN, yet stored alike
             result.unchanged += 1
             continue
-        diff = _max_abs_diff(ta, tb)
-        result.changed.append(TensorChange(name, f"max abs diff {diff:.6g}", diff))
+        diff, nan_in_one = _max_abs_diff(ta, tb)
+        detail = f"max abs diff {diff:.6g}"
+        if nan_in_one:
+            detail += f", NaN in one only at {nan_in_one} element(s)"
+        result.changed.append(TensorChange(name, detail, diff))
     result.values_changed = _value_paths_differing(a.state(tensors=False), b.state(tensors=False))
     return result
 
@@ -77,11 +81,27 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
+    """The largest |a - b| (a complex difference's magnitude) over the elements that
+    differ and are numbers in both, and how many elements are NaN in one only: a NaN
+    must not hide the real difference, and NaN in both at one place is no difference."""
     if a.dtype == torch.bool:
-        return float((a != b).any())
-    wide = torch.float64 if a.is_floating_point() or a.is_complex() else torch.int64
-    return float((a.to(wide) - b.to(wide)).abs().max()) if a.numel() else 0.0
+        return float((a != b).any()), 0
+    if not a.numel():
+        return 0.0, 0
+    if not (a.is_floating_point() or a.is_complex()):
+        return float((a.to(torch.int64) - b.to(torch.int64)).abs().max()), 0
+    wide = torch.complex128 if a.is_complex() else torch.float64
+    x, y = a.to(wide), b.to(wide)
+    nan = torch.isnan(x) | torch.isnan(y)
+    # Equal elements (infinities included: inf - inf is NaN) and NaNs count as 0 here.
+    d = torch.where((x == y) | nan, 0.0, (x - y).abs())
+    return float(d.max()), int((torch.isnan(x) ^ torch.isnan(y)).sum())
+
+
+def _json_number(value: float | None) -> float | str | None:
+    """JSON has no NaN or infinity (``inspect --json`` writes them as strings too)."""
+    return value if value is None or math.isfinite(value) else str(value)
 
 
 def _value_paths_differing(a: Any, b: Any, path: str = "") -> list[str]:
