@@ -254,6 +254,48 @@ def test_load_hf_casts_to_the_models_dtype_and_checks_names_and_shapes(tmp_path)
         load_hf({"lm_head.weight": torch.zeros(3, 3)}, tmp_path, strict=False)
 
 
+def test_files_of_every_float8_the_reference_library_writes_import(tmp_path):
+    """``F8_E8M0`` (MX scales), ``F8_E4M3FNUZ``, ``F8_E5M2FNUZ``: valid safetensors
+    files of them were refused as damaged ("unknown dtype")."""
+    from safetensors.torch import save_file
+
+    kinds = ["float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+    weights = {k: torch.arange(1.0, 5.0).to(getattr(torch, k)) for k in kinds}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    target = {k: torch.zeros(4, dtype=v.dtype) for k, v in weights.items()}
+    load_hf(target, tmp_path)
+    assert all(
+        torch.equal(target[k].view(torch.uint8), v.view(torch.uint8)) for k, v in weights.items()
+    )
+
+
+def test_an_index_listing_a_tensor_no_file_holds_is_refused(tmp_path, capsys):
+    """An incomplete download (a weight_map entry in no file) imported silently without
+    it; the index's path itself, and a .bin file, are understood or named clearly."""
+    from safetensors.torch import save_file
+
+    from shardpoint.cli import main
+
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    weight_map = {
+        "a": "model-00001-of-00001.safetensors",
+        "lm_head.weight": "model-00001-of-00001.safetensors",
+    }
+    (tmp_path / HF_INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(shardpoint.CorruptCheckpointError, match="lm_head.weight.*incomplete"):
+        load_hf({"a": torch.zeros(2)}, tmp_path)
+    assert main(["import-hf", str(tmp_path / HF_INDEX), str(tmp_path / "out")]) == 2
+    assert "not in the file it names" in capsys.readouterr().err
+    del weight_map["lm_head.weight"]
+    (tmp_path / HF_INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    target = {"a": torch.zeros(2)}
+    load_hf(target, tmp_path / HF_INDEX)  # the index's path: its directory
+    assert torch.equal(target["a"], torch.ones(2))
+    torch.save({"a": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="not a .safetensors file.*allow_pickle_weights"):
+        load_hf(target, tmp_path / "pytorch_model.bin")
+
+
 def test_pickle_weights_are_refused_unless_the_user_opts_in(tmp_path):
     model = torch.nn.Linear(3, 2)
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")

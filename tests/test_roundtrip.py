@@ -21,6 +21,9 @@ REQUIRED_DTYPES = [
     "BOOL",
     "F8_E4M3",
     "F8_E5M2",
+    "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ",
+    "F8_E8M0",
     "C64",
 ]
 

@@ -314,10 +314,20 @@ def open_hf(source: str | os.PathLike[str]) -> CommittedCheckpoint:
     ``model.safetensors``, or one ``.safetensors`` file), as a checkpoint the read
     planner understands. Headers are parsed strictly; nothing else is read."""
     source = Path(source)
+    if source.is_file() and source.name == HF_INDEX:
+        source = source.parent  # the index names the layout's files
+    weight_map: dict[str, str] | None = None
     if source.is_file():
+        if not source.name.endswith(".safetensors"):
+            pickled = source.suffix in (".bin", ".pt", ".pth")
+            raise CheckpointError(
+                f"{source}: not a .safetensors file; pass it or the model's directory"
+                + (" (pickle weights: allow_pickle_weights=True reads them)" if pickled else "")
+            )
         root, files = source.parent, [source.name]
     elif (source / HF_INDEX).is_file():
-        root, files = source, _index_files(source / HF_INDEX)
+        weight_map = _weight_map(source / HF_INDEX)
+        root, files = source, sorted(set(weight_map.values()))
     elif (source / HF_SINGLE).is_file():
         root, files = source, [HF_SINGLE]
     else:
@@ -356,13 +366,22 @@ def open_hf(source: str | os.PathLike[str]) -> CommittedCheckpoint:
                 (),
             )
             entries[name] = TensorEntry(name, slot.dtype, slot.shape, (chunk,))
+    if weight_map is not None:  # every tensor the index lists, in the file it names
+        lost = [
+            n for n, f in weight_map.items() if n not in entries or entries[n].chunks[0].file != f
+        ]
+        if lost:
+            raise CorruptCheckpointError(
+                f"{source / HF_INDEX}: lists {len(lost)} tensor(s) not in the file it names "
+                f"(e.g. {lost[:3]}); the download is incomplete or the index is stale"
+            )
     index = Index(
         files=sizes, entries=entries, aliases={}, tree=None, created="", library_version=""
     )
     return CommittedCheckpoint(storage, index)
 
 
-def _index_files(path: Path) -> list[str]:
+def _weight_map(path: Path) -> dict[str, str]:
     where = str(path)
     if path.stat().st_size > _MAX_INDEX_BYTES:
         raise CorruptCheckpointError(f"{where}: index larger than {_MAX_INDEX_BYTES} bytes")
@@ -373,7 +392,7 @@ def _index_files(path: Path) -> list[str]:
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
         raise CorruptCheckpointError(f"{where}: no 'weight_map' object of tensor -> file")
-    return sorted({check_source_file_name(f, where) for f in weight_map.values()})
+    return {name: check_source_file_name(f, where) for name, f in weight_map.items()}
 
 
 def load_hf(

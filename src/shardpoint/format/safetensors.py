@@ -41,6 +41,14 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
     "C64": torch.complex64,
 }
+# Newer float8 formats (the names the reference library writes), where torch has them.
+for _name, _attr in (
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
+    ("F8_E8M0", "float8_e8m0fnu"),
+):
+    if hasattr(torch, _attr):
+        DTYPES[_name] = getattr(torch, _attr)
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 METADATA_KEY = "__metadata__"
