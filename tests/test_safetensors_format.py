@@ -255,3 +255,39 @@ def test_golden_file_parses():
     assert header.data_start == 96
     assert header.slots["x"].shape == (2,)
     _assert_consistent(header, GOLDEN_FILE)
+
+
+def test_a_tensor_named_like_the_header_metadata_key_is_refused(tmp_path):
+    """``__metadata__`` is the header's own key: a tensor of that name made shard files
+    the reference library cannot open (and an export the same)."""
+    import shardpoint
+    from shardpoint.hf import export_hf
+
+    with pytest.raises(shardpoint.UnsupportedValueError, match="safetensors reserves"):
+        shardpoint.save({"__metadata__": torch.ones(2)}, tmp_path / "a")
+    assert not (tmp_path / "a" / "COMMITTED").exists()
+    shardpoint.save({"meta": torch.ones(2)}, tmp_path / "b")
+    with pytest.raises(shardpoint.CheckpointError, match="reserves"):
+        export_hf(tmp_path / "b", tmp_path / "hf", rename=[("^meta$", "__metadata__")])
+
+
+def test_files_end_before_their_header_could_pass_the_readers_limit(tmp_path, monkeypatch):
+    """Shard files were packed by bytes alone: ~800,000 tiny tensors (98,000 of long
+    names) made a header readers refuse (over 100 MB). The packing bounds the header
+    too (here a 4 kB budget instead of 50 MB)."""
+    import struct
+
+    import shardpoint
+    import shardpoint.saving as saving
+
+    monkeypatch.setattr(saving, "HEADER_BUDGET", 4096)
+    state = {f"layer.{i}.{'x' * 40}": torch.full((2,), float(i)) for i in range(100)}
+    shardpoint.save(state, tmp_path / "c")
+    files = sorted(p.name for p in (tmp_path / "c").glob("*.safetensors"))
+    assert len(files) > 5
+    for f in files:  # the 8-byte little-endian header length
+        (length,) = struct.unpack("<Q", (tmp_path / "c" / f).read_bytes()[:8])
+        assert length <= 4096, (f, length)
+    out = {k: torch.zeros(2) for k in state}
+    shardpoint.load(out, tmp_path / "c")
+    assert all(torch.equal(out[k], v) for k, v in state.items())

@@ -40,7 +40,7 @@ from .errors import (
     StateMismatchError,
 )
 from .format.index import Chunk, Index, TensorEntry
-from .format.safetensors import DTYPES, dtype_name, encode_header, itemsize, layout
+from .format.safetensors import DTYPES, METADATA_KEY, dtype_name, encode_header, itemsize, layout
 from .loading import ReadPlan
 from .reader import CheckpointReader
 from .saving import DEFAULT_THREADS, SaveInfo, save
@@ -130,6 +130,11 @@ def export_hf(
             name = source[len(prefix or "") :]
             for pattern, replacement in rules:
                 name = pattern.sub(replacement, name)
+            if name == METADATA_KEY:
+                raise CheckpointError(
+                    f"{out}: {source!r} would be exported as {name!r}, the key safetensors "
+                    "reserves; change the rename rules"
+                )
             if name in seen:
                 raise CheckpointError(
                     f"{out}: {seen[name]!r} and {source!r} would both be exported as {name!r}; "

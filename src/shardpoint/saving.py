@@ -45,6 +45,8 @@ from .format.index import (
     fragment_json,
 )
 from .format.safetensors import (
+    MAX_HEADER_BYTES,
+    METADATA_KEY,
     PAGE,
     TensorSlot,
     dtype_name,
@@ -1394,6 +1396,10 @@ def _holdings(
     local: dict[str, torch.Tensor] = {}
     tokens: dict[str, Token] = {}
     for name, t in tensors.items():
+        if name == METADATA_KEY:  # the one key a safetensors header keeps for itself
+            raise UnsupportedValueError(
+                f"cannot save a tensor named {name!r}: safetensors reserves that key; rename it"
+            )
         part, global_shape, offsets = local_part(t, name)
         try:
             dtype = dtype_name(part.dtype)
@@ -1431,20 +1437,30 @@ def _holdings(
     return holdings, aliases, local, tokens
 
 
+# A header entry beyond its name: dtype, shape, offsets and JSON punctuation (a generous
+# bound; a key with offsets, "name@o0,o1", is counted as twice the name).
+_HEADER_ENTRY_BYTES = 256
+HEADER_BUDGET = MAX_HEADER_BYTES // 2
+
+
 def _pack(
     names: list[str], tensors: dict[str, torch.Tensor], max_bytes: int, rank: int
 ) -> dict[str, list[str]]:
-    """Greedy packing in state order: related tensors stay together in one file."""
+    """Greedy packing in state order: related tensors stay together in one file. A file
+    also ends before its header could pass HEADER_BUDGET (readers, the reference library
+    too, refuse one over MAX_HEADER_BYTES: a million tiny tensors of long names)."""
     files: dict[str, list[str]] = {}
     current: list[str] = []
-    size = 0
+    size = header = 0
     for name in names:
         nbytes = tensors[name].numel() * tensors[name].element_size()
-        if current and size + nbytes > max_bytes:
+        entry = len(name.encode()) * 2 + _HEADER_ENTRY_BYTES  # its key, at most, and fields
+        if current and (size + nbytes > max_bytes or header + entry > HEADER_BUDGET):
             files[shard_file(rank, len(files))] = current
-            current, size = [], 0
+            current, size, header = [], 0, 0
         current.append(name)
         size += nbytes
+        header += entry
     if current or not files:
         files[shard_file(rank, len(files))] = current
     return files
