@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import shardpoint
@@ -363,6 +364,17 @@ def test_report_summarises_the_event_log_and_plots(tmp_path, capsys):
     assert doc["saves"] == 3 and doc["bytes"]["total"] > 0
     assert Path(doc["plot"]).stat().st_size > 1000  # a PNG
     assert main(["report", str(tmp_path)]) == 2
+
+
+def test_report_skips_a_torn_line_of_the_event_log(tmp_path, capsys):
+    """The log is written best effort: a line cut by a full disk ended ``report`` with a
+    bare JSON error that named no file."""
+    root = _run_dir(tmp_path / "run")
+    with open(root / "events.jsonl", "a") as f:
+        f.write('{"event": "save", "step": 4, "pa')
+    with pytest.warns(UserWarning, match="events.jsonl: skipped 1 line"):
+        assert main(["report", str(root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["saves"] == 3
 
 
 def test_every_command_has_help_with_examples():

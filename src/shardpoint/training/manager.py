@@ -74,8 +74,28 @@ class EventLog:
                     )
 
     def read(self) -> list[dict[str, Any]]:
+        """The events; a line that is not a JSON object (torn by a full disk or a crash:
+        the log is best effort) is skipped, with one warning naming the file."""
         raw = self.storage.read_small(self.NAME, self.MAX_BYTES) or b""
-        return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+        events, torn = [], 0
+        for line in raw.decode(errors="replace").splitlines():
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = None
+            if isinstance(event, dict):
+                events.append(event)
+            else:
+                torn += 1
+        if torn:
+            warnings.warn(
+                f"{self.storage.location(self.NAME)}: skipped {torn} line(s) that are not "
+                "whole events (written while the disk was full, or cut by a crash)",
+                stacklevel=2,
+            )
+        return events
 
 
 class CheckpointManager:
