@@ -481,6 +481,28 @@ def test_a_save_into_a_directory_another_process_is_saving_to_is_refused(tmp_pat
     assert shardpoint.verify(ckpt).ok
 
 
+def test_a_file_system_without_flock_saves_unguarded_with_one_warning(tmp_path, monkeypatch):
+    """Lustre mounted ``noflock`` (and some FUSE mounts) answer ENOSYS: every save used
+    to fail ("cannot prepare the checkpoint directory") and remove a directory the user
+    had made for it."""
+    import errno
+    import warnings
+
+    import shardpoint.storage.local as local
+
+    def no_flock(fd, op):  # noqa: ANN001, ANN202
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(local.fcntl, "flock", no_flock)
+    monkeypatch.setattr(local, "_WARNED_NO_LOCK", set())
+    with pytest.warns(UserWarning, match="no flock"):
+        shardpoint.save(_state(), tmp_path / "a")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per directory of checkpoints
+        shardpoint.save(_state(), tmp_path / "b")
+    assert shardpoint.verify(tmp_path / "a").ok and shardpoint.verify(tmp_path / "b").ok
+
+
 def test_retention_never_deletes_a_directory_another_process_is_saving_to(tmp_path):
     run = tmp_path / "run"
     manager = CheckpointManager(

@@ -5,9 +5,11 @@ refused, small files replaced atomically, and the one-writer lock."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,6 +25,21 @@ from .direct_io import (
     typed_read_errors,
 )
 from .io_types import Segment
+
+# flock refused by the file system itself, not by another holder of the lock.
+_NO_FLOCK = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK}
+_WARNED_NO_LOCK: set[str] = set()
+
+
+def _warn_no_lock(directory: Path, exc: OSError) -> None:
+    where = str(directory.parent)
+    if where not in _WARNED_NO_LOCK:
+        _WARNED_NO_LOCK.add(where)
+        warnings.warn(
+            f"{directory}: this file system has no flock ({exc.strerror or exc}); saves are "
+            "not guarded against a second job writing the same checkpoint",
+            stacklevel=4,
+        )
 
 
 class WriterLock:
@@ -41,13 +58,17 @@ class WriterLock:
         fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as exc:
+            if exc.errno not in _NO_FLOCK:
+                os.close(fd)
+                if isinstance(exc, BlockingIOError):
+                    raise self._busy() from None
+                raise
+            # A file system without flock (Lustre mounted noflock, some FUSE): saves go
+            # on unguarded against a second writer, said once.
             os.close(fd)
-            raise ConcurrentWriterError(
-                f"{self.directory}: another process is writing to or deleting this "
-                "checkpoint right now; two jobs must not share a checkpoint directory. "
-                "Stop the other job or give this one its own directory."
-            ) from None
+            _warn_no_lock(self.directory, exc)
+            return
         except BaseException:
             os.close(fd)
             raise
@@ -61,6 +82,13 @@ class WriterLock:
             os.close(fd)
             raise
         self._fd = fd
+
+    def _busy(self) -> ConcurrentWriterError:
+        return ConcurrentWriterError(
+            f"{self.directory}: another process is writing to or deleting this "
+            "checkpoint right now; two jobs must not share a checkpoint directory. "
+            "Stop the other job or give this one its own directory."
+        )
 
     def release(self) -> None:
         if self._fd is not None:
