@@ -529,8 +529,8 @@ MUTATIONS = [
         "a streamed file renamed over another writer's",
         "earlier checkpoints and other saves are never damaged (speculative writes)",
         "src/shardpoint/storage/direct_io.py",
-        "                os.link(self.tmp, self.path)  # FileExistsError: the name is another's\n"
-        "                self.tmp.unlink()\n",
+        "                link_new(self.tmp, self.path)  # FileExistsError: the name is another's\n"
+        "                self.tmp.unlink(missing_ok=True)\n",
         "                os.replace(self.tmp, self.path)\n",
         (
             "tests/test_speculative_saves.py::"
@@ -1171,6 +1171,157 @@ MUTATIONS = [
         "for s in steps]) | {uploaded}",
         "for s in steps])",
         (MANAGER + "test_remote_retention_keeps_the_step_just_uploaded",),
+    ),
+    Mutation(
+        "memory tier shared between runs",
+        "exact resume (memory tier: the run's own copy)",
+        "src/shardpoint/training/manager.py",
+        '    return "job-" + hashlib.sha256(f"{where}\\n{run_id}".encode()).hexdigest()[:16]',
+        '    return "job-" + hashlib.sha256(str(directory).encode()).hexdigest()[:16]',
+        ("tests/test_memory_tier.py::test_a_new_run_never_restores_an_earlier_runs_memory_copy",),
+    ),
+    Mutation(
+        "replica write failure not agreed",
+        "clear errors (no hang on one rank's failure)",
+        "src/shardpoint/training/memory_tier.py",
+        "            if replica is not None and error is None:\n",
+        "            if replica is not None and error is None and False:\n",
+        (
+            "tests/test_memory_tier.py::"
+            "test_a_replica_that_cannot_be_written_fails_the_memory_save_on_every_rank",
+        ),
+    ),
+    Mutation(
+        "memory budget ignores the kept step",
+        "memory tier budget",
+        "src/shardpoint/training/memory_tier.py",
+        "        need = held + own * (1 + self.replicas)\n",
+        "        need = own * (1 + self.replicas)\n",
+        (
+            "tests/test_memory_tier.py::"
+            "test_the_memory_budget_counts_the_step_kept_until_the_next_is_in_place",
+        ),
+    ),
+    Mutation(
+        "overlapping reads skip a segment",
+        "every byte is checked",
+        "src/shardpoint/storage/direct_io.py",
+        "        i = bisect.bisect_right(self.reach, lo)  # every one before ends at or",
+        "        i = max(bisect.bisect_right(segments, lo, key=lambda s: s.offset) - 1, 0) #",
+        (
+            "tests/test_range_reads.py::test_any_overlapping_segments_each_get_their_bytes_and_one_report",
+        ),
+    ),
+    Mutation(
+        "strided shard taken for a block",
+        "exact resume (resharding)",
+        "src/shardpoint/tensor_kinds.py",
+        "        if not _one_box(t.placements, tuple(t.device_mesh.shape)):\n",
+        "        if False:\n",
+        (
+            "tests/test_format_v2.py::"
+            "test_a_strided_shard_that_is_not_one_block_is_refused_on_load_and_save",
+        ),
+    ),
+    Mutation(
+        "new rank's streams reported missing",
+        "exact resume (RNG on more ranks)",
+        "src/shardpoint/tree.py",
+        "            dropped = [k for k in target if k not in stored]\n",
+        "            dropped = []\n",
+        ("tests/test_rng.py::test_rng_streams_saved_on_2_ranks_load_on_3",),
+    ),
+    Mutation(
+        "restore error on one rank not agreed",
+        "clear errors (no hang on one rank's failure)",
+        "src/shardpoint/training/manager.py",
+        "        except Exception as exc:  # anything else (a Stateful's own error): raised on e",
+        "        except ZeroDivisionError as exc:  #",
+        (MANAGER + "test_an_error_on_one_rank_during_restore_is_raised_on_every_rank",),
+    ),
+    Mutation(
+        "failed load keeps plain values",
+        "all-or-nothing loads",
+        "src/shardpoint/tree.py",
+        "                if not in_stateful:  # a Stateful takes its whole state back instead\n"
+        "                    _undo_put(m, target, key, value)\n",
+        "",
+        (HOSTILE + "test_a_rejected_load_puts_plain_values_back_too",),
+    ),
+    Mutation(
+        "conjugate view saved as an alias",
+        "exact resume (values as shown)",
+        "src/shardpoint/saving.py",
+        "            part = part.resolve_conj().resolve_neg()\n",
+        "            pass\n",
+        (
+            "tests/test_roundtrip.py::"
+            "test_conjugate_and_negative_views_save_their_values_and_are_refused_as_destinations",
+        ),
+    ),
+    Mutation(
+        "passed-over step skipped",
+        "exact resume (a resumed run's own saves)",
+        "src/shardpoint/training/manager.py",
+        "        if self._unusable:\n            self._set_aside_unusable()\n",
+        "",
+        (MANAGER + "test_steps_a_restore_passed_over_are_saved_anew_by_the_resumed_run",),
+    ),
+    Mutation(
+        "failed background save stops preemption save",
+        "preemption: the final save happens",
+        "src/shardpoint/training/manager.py",
+        "                if not preempting:\n                    raise\n",
+        "                raise\n",
+        (MANAGER + "test_a_failed_background_save_does_not_stop_the_preemption_save",),
+    ),
+    Mutation(
+        "per-rank plain tensor committed",
+        "clear errors (refused at save)",
+        "src/shardpoint/plan.py",
+        "            key = (h.name, h.offsets, h.shape, h.dtype)\n",
+        "            key = (h.name, h.offsets, h.shape, '')\n",
+        (
+            "tests/test_distributed.py::test_a_plain_tensor_that_differs_per_rank_is_refused_at_save",
+        ),
+    ),
+    Mutation(
+        "pickle weights cut to the model's shape",
+        "clear errors (shapes checked)",
+        "src/shardpoint/hf.py",
+        "    if differ:  # checked before any tensor is written, as for safetensors files\n",
+        "    if False:\n",
+        (
+            "tests/test_hf.py::"
+            "test_pickle_weights_of_other_shapes_or_dtypes_are_refused_before_any_is_loaded",
+        ),
+    ),
+    Mutation(
+        "export leaves a half export",
+        "earlier output never half written",
+        "src/shardpoint/hf.py",
+        "            for file in written:\n                with contextlib.suppress(Exception):\n",
+        "            for file in []:\n                with contextlib.suppress(Exception):\n",
+        ("tests/test_hf.py::test_a_failed_export_leaves_no_half_export_and_can_be_run_again",),
+    ),
+    Mutation(
+        "index entries in no file imported",
+        "clear errors (incomplete HF download)",
+        "src/shardpoint/hf.py",
+        "        if lost:\n",
+        "        if False:\n",
+        ("tests/test_hf.py::test_an_index_listing_a_tensor_no_file_holds_is_refused",),
+    ),
+    Mutation(
+        "header past the readers' limit",
+        "open format (every file readable)",
+        "src/shardpoint/saving.py",
+        " or header + entry > HEADER_BUDGET):\n",
+        "):\n",
+        (
+            "tests/test_safetensors_format.py::"
+            "test_files_end_before_their_header_could_pass_the_readers_limit",
+        ),
     ),
 ]
 
