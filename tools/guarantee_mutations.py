@@ -1213,6 +1213,17 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "bounce read fills a zero-copy interior",
+        "every byte is checked (reported complete only when in place)",
+        "src/shardpoint/storage/direct_io.py",
+        "                skip = inner.get(id(s))\n",
+        "                skip = None\n",
+        (
+            "tests/test_range_reads.py::"
+            "test_a_bounce_read_never_fills_what_another_segments_zero_copy_read_fills",
+        ),
+    ),
+    Mutation(
         "strided shard taken for a block",
         "exact resume (resharding)",
         "src/shardpoint/tensor_kinds.py",

@@ -329,7 +329,13 @@ def read_ranges(
                 )
                 spans = _bounce_read_spans(large, interiors)
                 by_offset = _ByOffset(large)
-                jobs.extend(_bounce_read(fd, by_offset, lo, hi, where, done) for lo, hi in spans)
+                # A bounce span may cross another segment's zero-copy interior (segments
+                # that overlap): each byte of a segment comes from one read only, or its
+                # completion would be counted twice, and reported before all of it is in.
+                inner = {id(s): (lo, hi) for lo, hi, s in interiors}
+                jobs.extend(
+                    _bounce_read(fd, by_offset, lo, hi, where, done, inner) for lo, hi in spans
+                )
             else:
                 for s in large:
                     jobs.extend(
@@ -582,18 +588,32 @@ def _read_into(
 
 
 def _bounce_read(
-    fd: int, segments: _ByOffset, lo: int, hi: int, where: str, done: _Completion
+    fd: int,
+    segments: _ByOffset,
+    lo: int,
+    hi: int,
+    where: str,
+    done: _Completion,
+    inner: dict[int, tuple[int, int]],
 ) -> Callable[[], None]:
+    """Read ``[lo, hi)`` into a bounce buffer and copy it into every segment reaching
+    it, except into the part of one that its own zero-copy read (``inner``) fills."""
+
     def job() -> None:
         with _BOUNCE.buffer(lo) as buf:
             with typed_read_errors(where):
                 got = pread_into(fd, memoryview(buf.array)[: hi - lo], lo)
             for s in segments.overlapping(lo, hi):
                 a, b = max(s.offset, lo), min(s.end, hi)
-                if b - lo > got:
-                    raise _truncated(where, b)
-                _copy(s, buf, a, b)
-                done.add(s, b - a)
+                skip = inner.get(id(s))
+                pieces = [(a, b)] if skip is None else [(a, min(b, skip[0])), (max(a, skip[1]), b)]
+                for x, y in pieces:
+                    if y <= x:
+                        continue
+                    if y - lo > got:
+                        raise _truncated(where, y)
+                    _copy(s, buf, x, y)
+                    done.add(s, y - x)
 
     return job
 
