@@ -597,9 +597,10 @@ def test_metrics_are_stored_as_numbers_and_a_diverged_loss_does_not_fail_the_sav
     from shardpoint import CheckpointReader
 
     m = _manager(tmp_path, retention=RetentionPolicy(keep_best=1, best_metric="loss"))
-    losses = {1: torch.tensor(0.5), 2: float("nan"), 3: np.float32(0.25), 4: float("inf")}
+    losses = {1: torch.tensor(0.5), 2: float("nan"), 3: np.float32(0.25), 4: float("inf"), 5: None}
     for step, loss in losses.items():
-        assert m.save(step, _state(step), force=True, metrics={"loss": loss}) is not None
+        metrics = {"loss": loss, "phase": "warmup"}  # a string and None stay as they are
+        assert m.save(step, _state(step), force=True, metrics=metrics) is not None
     stored = {}
     for step in m.steps():
         with CheckpointReader(m.path_for(step)) as r:

@@ -306,15 +306,20 @@ def test_pickle_weights_are_refused_unless_the_user_opts_in(tmp_path):
     assert torch.equal(target.weight, model.weight)
 
 
-def test_pickle_weights_of_other_shapes_or_dtypes_are_refused_before_any_is_loaded(tmp_path):
+def test_pickle_weights_of_other_shapes_are_refused_before_any_is_loaded(tmp_path):
     """As for safetensors files: a .bin of a larger model used to be cut down to the
-    model's shapes silently (a smaller one gave a raw torch error)."""
-    torch.save(torch.nn.Linear(4, 3).state_dict(), tmp_path / "pytorch_model.bin")
-    for target in (torch.nn.Linear(4, 2), torch.nn.Linear(4, 5), torch.nn.Linear(4, 3).double()):
+    model's shapes silently (a smaller one gave a raw torch error); another dtype is
+    cast (an fp32 .bin into a bf16 model)."""
+    source = torch.nn.Linear(4, 3)
+    torch.save(source.state_dict(), tmp_path / "pytorch_model.bin")
+    for target in (torch.nn.Linear(4, 2), torch.nn.Linear(4, 5)):
         before = {k: v.clone() for k, v in target.state_dict().items()}
         with pytest.raises(StateMismatchError, match="do not fit the model.*'weight'"):
             load_hf(target, tmp_path, allow_pickle_weights=True)
         assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+    target = torch.nn.Linear(4, 3).bfloat16()
+    load_hf(target, tmp_path, allow_pickle_weights=True)
+    assert torch.equal(target.weight, source.weight.bfloat16())
 
 
 def test_pickle_weights_are_read_from_the_files_the_layout_names(tmp_path):

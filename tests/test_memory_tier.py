@@ -458,3 +458,34 @@ def test_a_replica_that_cannot_be_written_fails_the_memory_save_on_every_rank(tm
         timeout=60,
     )
     assert all(o.exitcode == 0 for o in outcomes), "\n".join(map(str, outcomes))
+
+
+def _job_of_node_local_manager(rank: int, world: int, root: str, out: str) -> None:
+    os.environ["LOCAL_RANK"] = "0"  # each rank a node of its own, with its own disk
+    os.environ["SHARDPOINT_SHM_DIR"] = str(Path(root) / f"shm{rank}")
+    manager = CheckpointManager(
+        Path(root) / f"node{rank}",
+        memory=MemoryTierOptions(every_n_steps=1),
+        preemption_signals=(),
+    )
+    assert manager.per_node
+    Path(f"{out}{rank}").write_text(manager.memory.base.name)
+    manager.close()
+
+
+def test_the_memory_namespace_survives_rank_0_landing_on_a_replaced_node(tmp_path):
+    """With node-local directories the run id is on every node's disk: when rank 0's
+    node is replaced (its disk empty), the job keeps the namespace the other nodes'
+    memory copies are under, and the new disk gets the id too."""
+    from distributed import run_ranks
+
+    out = str(tmp_path / "job")
+    run_ranks(2, _job_of_node_local_manager, str(tmp_path), out)
+    first = [Path(f"{out}{r}").read_text() for r in range(2)]
+    shutil.rmtree(tmp_path / "node0")  # rank 0 restarts on a new machine
+    run_ranks(2, _job_of_node_local_manager, str(tmp_path), out)
+    again = [Path(f"{out}{r}").read_text() for r in range(2)]
+    assert first == again  # (each simulated node's directory has its own path here)
+    assert (tmp_path / "node0" / "run-id").read_text() == (
+        tmp_path / "node1" / "run-id"
+    ).read_text()

@@ -1176,7 +1176,7 @@ MUTATIONS = [
         "memory tier shared between runs",
         "exact resume (memory tier: the run's own copy)",
         "src/shardpoint/training/manager.py",
-        '    return "job-" + hashlib.sha256(f"{where}\\n{run_id}".encode()).hexdigest()[:16]',
+        '    return "job-" + hashlib.sha256(f"{where}\\n{chosen}".encode()).hexdigest()[:16]',
         '    return "job-" + hashlib.sha256(str(directory).encode()).hexdigest()[:16]',
         ("tests/test_memory_tier.py::test_a_new_run_never_restores_an_earlier_runs_memory_copy",),
     ),
@@ -1302,10 +1302,7 @@ MUTATIONS = [
         "src/shardpoint/hf.py",
         "    if differ:  # checked before any tensor is written, as for safetensors files\n",
         "    if False:\n",
-        (
-            "tests/test_hf.py::"
-            "test_pickle_weights_of_other_shapes_or_dtypes_are_refused_before_any_is_loaded",
-        ),
+        ("tests/test_hf.py::test_pickle_weights_of_other_shapes_are_refused_before_any_is_loaded",),
     ),
     Mutation(
         "export leaves a half export",

@@ -310,7 +310,7 @@ def _verify(args: argparse.Namespace) -> int:
             total = sum(open_committed(path).index.files.values())
         except CheckpointError:
             pass  # verify() reports the problem below
-        with _progress(total, f"verifying {_name(path)}") as advance:
+        with _progress(total, f"verifying {escape(_name(path))}") as advance:
             reports.append(verify(path, progress=advance))
     ok = all(r.ok for r in reports)
     if args.json:
@@ -570,7 +570,7 @@ def _report(args: argparse.Namespace) -> int:
         _print_json(summary)
         return 0
     console = _console()
-    table = Table(title=f"{args.path}: {summary['saves']} saves", title_justify="left")
+    table = Table(title=f"{escape(str(args.path))}: {summary['saves']} saves", title_justify="left")
     for column in ("", "median", "max", "total"):
         table.add_column(column, justify="left" if not column else "right")
     for key, unit in (("seconds", "s"), ("blocked_seconds", "s"), ("bytes", "B")):

@@ -167,6 +167,7 @@ def export_hf(
                     "weight_map": dict(sorted(weight_map.items())),
                 }
                 dest.write_small_durably(HF_INDEX, json.dumps(index, indent=2).encode())
+                written.append(HF_INDEX)
             dest.sync()
         except BaseException:
             # No half export (it would refuse the next try): the files it finished go.
@@ -514,11 +515,10 @@ def _load_pickle_weights(dests: dict[str, torch.Tensor], source: Path, strict: b
     stored = _read_pickle_weights(source)
     _check_fit(dests, set(stored), strict, str(source))
     parts = {n: local_part(plain(d), n) for n, d in dests.items() if n in stored}
-    differ = [
-        f"{n!r}: the file has {stored[n].dtype}{list(stored[n].shape)}, the model "
-        f"{dests[n].dtype}{list(shape)}"
+    differ = [  # another dtype is cast, as from safetensors files
+        f"{n!r}: the file has shape {list(stored[n].shape)}, the model {list(shape)}"
         for n, (_, shape, _) in parts.items()
-        if tuple(stored[n].shape) != tuple(shape) or stored[n].dtype != dests[n].dtype
+        if tuple(stored[n].shape) != tuple(shape)
     ]
     if differ:  # checked before any tensor is written, as for safetensors files
         more = f" (+{len(differ) - 10} more)" if len(differ) > 10 else ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import CorruptCheckpointError
@@ -23,26 +24,37 @@ def copy_file(
     size = source.size(name)
     if size is None:
         raise FileNotFoundError(f"{source.location(name)}: missing")
+    blocks = _exactly(source.iter_bytes(name, BLOCK), size, source.location(name))
     if compress and name.endswith(".safetensors"):
-        blocks = source.iter_bytes(name, BLOCK)
         target.write_compressed(target_name or name, blocks, size, threads=threads)  # type: ignore[attr-defined]
         return size
     writer = target.open_writer(target_name or name, size, threads=threads)
     try:
         offset = 0
-        for block in source.iter_bytes(name, BLOCK):
+        for block in blocks:
             writer.write(offset, block)
             offset += len(block)
-        if offset != size:  # a local target would pad or cut it to size silently
-            raise CorruptCheckpointError(
-                f"{source.location(name)}: {offset} bytes read, {size} expected (the file "
-                "changed while it was copied)"
-            )
         writer.close()
     except BaseException:
         writer.abort()
         raise
     return size
+
+
+def _exactly(blocks: Iterator[memoryview], size: int, where: str) -> Iterator[memoryview]:
+    """The blocks, failing (before the copy is finished) if they are not ``size`` bytes:
+    a local target would pad or cut the file to its size, an upload take it as whole."""
+    n = 0
+    for block in blocks:
+        n += len(block)
+        if n > size:
+            break
+        yield block
+    if n != size:
+        raise CorruptCheckpointError(
+            f"{where}: {n if n < size else 'more than ' + str(size)} bytes read, {size} "
+            "expected (the file changed while it was copied)"
+        )
 
 
 def copy_files(

@@ -174,7 +174,7 @@ class CheckpointManager:
         self.memory_every_n_steps = memory.every_n_steps if memory else None
         self.memory = (
             MemoryTier(
-                memory.job or _memory_job(self.directory, self.tier.storage),
+                memory.job or _memory_job(self.directory, self.tier.storage, self.per_node),
                 replicas=memory.replicas,
                 max_bytes=memory.max_bytes,
                 pool_bytes=memory.pool_bytes,
@@ -660,7 +660,9 @@ class CheckpointManager:
         if self.remote is not None:
             tiers.append(("remote", self.remote, dist.rank() == 0))
         for name, tier, mine in tiers:
-            for step in sorted(s for s, tried in unusable.items() if name in tried and mine):
+            steps = [s for s, tried in unusable.items() if name in tried and mine]
+            here = set(tier.step_dirs()) if steps else set()  # a node may not hold them
+            for step in sorted(s for s in steps if s in here):
                 try:
                     where = tier.set_aside(step)
                 except OSError as exc:
@@ -806,17 +808,22 @@ class CheckpointManager:
 _UNUSABLE, _FAILED, _MISMATCH = 0, 1, 2
 
 
-def _plain_metrics(metrics: dict[str, Any] | None) -> dict[str, float | None]:
-    """Metrics as JSON numbers: a 0-d tensor or NumPy scalar as its float, NaN and
-    infinity (a diverged loss) as None, which retention reads as unknown."""
-    out: dict[str, float | None] = {}
+def _plain_metrics(metrics: dict[str, Any] | None) -> dict[str, Any]:
+    """Metrics as JSON values: a number, 0-d tensor or NumPy scalar as its float, NaN
+    and infinity (a diverged loss) as None, which retention reads as unknown; anything
+    else as given (a string stays one). Never raises: metrics may differ per rank, and
+    a rank failing here alone would leave the others in the save's collectives (the
+    save refuses, on every rank, what JSON cannot hold)."""
+    out: dict[str, Any] = {}
     for name, value in (metrics or {}).items():
+        if value is None or isinstance(value, (str, bool)):
+            out[str(name)] = value
+            continue
         try:
             number = float(value)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise UnsupportedValueError(
-                f"metric {name!r} = {value!r:.80} is not a number ({exc}); pass a float"
-            ) from None
+        except (TypeError, ValueError, RuntimeError):
+            out[str(name)] = value
+            continue
         out[str(name)] = number if math.isfinite(number) else None
     return out
 
@@ -855,32 +862,45 @@ def _directory_per_node(storage: CheckpointStorage) -> bool:
     return separate
 
 
-def _memory_job(directory: Any, storage: CheckpointStorage) -> str:
+def _memory_job(directory: Any, storage: CheckpointStorage, per_node: bool) -> str:
     """The memory-tier namespace of the run in ``directory``, the same on every rank:
-    from its absolute location and the id rank 0 finds in it (written there at the
-    first start). Another project's directory of the same relative name, or this one
-    deleted to start over, has another id: memory copies of an earlier run are never
-    restored into a new one."""
+    from its absolute location and the run id kept in it (written at the first start).
+    Another project's directory of the same relative name, or this one deleted to start
+    over, has another id: memory copies of an earlier run are never restored into a new
+    one. With node-local directories every node's first rank reads its own copy of the
+    id and a node that lacks it (a replaced one) is given the others': which machine
+    rank 0 lands on does not change the namespace."""
     import hashlib
 
     where = str(directory) if is_url(directory) else os.path.abspath(directory)
-    run_id = dist.broadcast_json(_run_id(storage) if dist.rank() == 0 else None)
-    return "job-" + hashlib.sha256(f"{where}\n{run_id}".encode()).hexdigest()[:16]
+    keeper = dist.rank() == 0 or (per_node and dist.is_node_leader())
+    found = _read_run_id(storage) if keeper else None
+    every = dist.gather_json(found)  # once per manager: an id (32 characters) per rank
+    chosen = None
+    if every is not None:  # rank 0: its own id, else any node's, else a new one
+        chosen = next((i for i in every if i), None) or uuid.uuid4().hex
+    chosen = dist.broadcast_json(chosen)
+    if keeper and found != chosen:
+        _write_run_id(storage, chosen)
+    return "job-" + hashlib.sha256(f"{where}\n{chosen}".encode()).hexdigest()[:16]
 
 
-def _run_id(storage: CheckpointStorage) -> str | None:
-    """The directory's run id, written now if it has none; None (with a warning) if it
-    can be neither read nor written (the memory tier then cannot tell runs apart)."""
+def _read_run_id(storage: CheckpointStorage) -> str | None:
     try:
         raw = storage.read_small(RUN_ID_NAME, 1024)
-        if raw is None:
-            storage.write_small_durably(RUN_ID_NAME, uuid.uuid4().hex.encode())
-            raw = storage.read_small(RUN_ID_NAME, 1024)
-        return None if raw is None else raw.decode(errors="replace")
+    except (OSError, CheckpointError):
+        return None  # written (or warned about) by the caller
+    return None if raw is None else raw.decode(errors="replace")
+
+
+def _write_run_id(storage: CheckpointStorage, run_id: str) -> None:
+    """Best effort (a read-only mount): with a warning, the memory tier then cannot
+    tell this run from a later one in the same directory."""
+    try:
+        storage.write_small_durably(RUN_ID_NAME, run_id.encode())
     except (OSError, CheckpointError) as exc:
         warnings.warn(
-            f"{storage.location(RUN_ID_NAME)}: cannot read or write the run id ({exc}); "
-            "the memory tier cannot tell this run from an earlier one in the same directory",
-            stacklevel=3,
+            f"{storage.location(RUN_ID_NAME)}: cannot write the run id ({exc}); the memory "
+            "tier cannot tell this run from a later one in the same directory",
+            stacklevel=4,
         )
-        return None
