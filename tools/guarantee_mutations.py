@@ -1045,8 +1045,8 @@ MUTATIONS = [
         "user metadata encoded by msgspec",
         "a save refuses what JSON cannot hold (NaN in user metadata)",
         "src/shardpoint/format/index.py",
-        '            "metadata": _user_json(self.metadata),\n',
-        '            "metadata": self.metadata,\n',
+        '        json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)',
+        "        msgspec.json.encode(value).decode()",
         (
             "tests/test_reader.py::"
             "test_user_metadata_is_written_as_json_writes_it_and_nan_is_refused",
