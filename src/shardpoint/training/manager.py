@@ -661,7 +661,11 @@ class CheckpointManager:
             tiers.append(("remote", self.remote, dist.rank() == 0))
         for name, tier, mine in tiers:
             steps = [s for s, tried in unusable.items() if name in tried and mine]
-            here = set(tier.step_dirs()) if steps else set()  # a node may not hold them
+            try:
+                here = set(tier.step_dirs()) if steps else set()  # a node may not hold them
+            except CheckpointError as exc:  # a store down: left as is, the barrier still met
+                self._cannot_delete(tier.root, exc)
+                continue
             for step in sorted(s for s in steps if s in here):
                 try:
                     where = tier.set_aside(step)
