@@ -49,18 +49,39 @@ class EventLog:
     uploads and restores, every node's holds its own deletions.
     Writing is best effort: a full or read-only disk must not turn a committed save or
     a restore into a failure, so a failed write is a warning (once), never an error.
+
+    ``listeners`` (``CheckpointManager(on_event=...)``: metrics exporters) receive every
+    event as the dict written, on every rank that sees it (``notify``), also where the
+    line is written by rank 0 only: one source of truth for the log and the metrics.
     """
 
     NAME = "events.jsonl"
     MAX_BYTES = 256 * 1024 * 1024
 
-    def __init__(self, storage: CheckpointStorage) -> None:
+    def __init__(
+        self, storage: CheckpointStorage, listeners: Iterable[Callable[[dict[str, Any]], None]] = ()
+    ) -> None:
         self.storage = storage
+        self.listeners = list(listeners)
         self._lock = threading.Lock()
         self._warned = False
+        self._listener_warned = False
+
+    def notify(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Give the event to the listeners (a listener's error is a warning, once: metrics
+        must never fail a save); returns it."""
+        record = {"event": event, "time": round(time.time(), 3), **fields}
+        for listener in self.listeners:
+            try:
+                listener(record)
+            except Exception as exc:
+                if not self._listener_warned:
+                    self._listener_warned = True
+                    warnings.warn(f"event listener {listener!r} failed: {exc}", stacklevel=3)
+        return record
 
     def write(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n"
+        line = json.dumps(self.notify(event, **fields)) + "\n"
         with self._lock:
             try:
                 self.storage.append_small(self.NAME, line.encode())
@@ -131,7 +152,8 @@ class CheckpointManager:
     log entry follow the commit. A preemption save first finishes the one in flight,
     then saves synchronously. ``close()`` waits for the save in flight and raises its
     error. ``io`` (``IOOptions``) holds shard size, threads, restore verification and
-    the object-store client's options.
+    the object-store client's options. ``on_event``: callables given every event as a
+    dict (``shardpoint.metrics``), on every rank.
     """
 
     def __init__(
@@ -146,6 +168,7 @@ class CheckpointManager:
         io: IOOptions | None = None,
         preemption_signals: Iterable[int] = (signal.SIGTERM,),
         incremental: bool = False,
+        on_event: Iterable[Callable[[dict[str, Any]], None]] = (),
     ) -> None:
         policy = policy or SavePolicy()
         retention = retention or RetentionPolicy()
@@ -168,7 +191,7 @@ class CheckpointManager:
         self.policy = policy
         self.retention = retention
         self.io = io
-        self.events = EventLog(self.tier.storage)
+        self.events = EventLog(self.tier.storage, on_event)
         self.remote = CheckpointTier(remote.url, storage_options) if remote else None
         self.remote_retention = remote.retention if remote else None
         self.memory_every_n_steps = memory.every_n_steps if memory else None
@@ -470,8 +493,11 @@ class CheckpointManager:
         return True
 
     def _log(self, event: str, **fields: Any) -> None:
+        """A job-wide event: written to the log by rank 0, given to every rank's listeners."""
         if dist.rank() == 0:
             self.events.write(event, **fields)
+        else:
+            self.events.notify(event, **fields)
 
     def _upload_event(self, event: str, **fields: Any) -> None:
         """Uploads run in the background: a failure is logged and warned about (the local
