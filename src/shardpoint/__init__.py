@@ -14,6 +14,7 @@ from .errors import (
     ConcurrentWriterError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    NaNStateError,
     StateMismatchError,
     UnsupportedValueError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CheckpointExistsError",
+    "NaNStateError",
     "CheckpointReader",
     "ConcurrentWriterError",
     "CorruptCheckpointError",

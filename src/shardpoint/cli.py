@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,6 +56,8 @@ EXAMPLES = {
     "  shardpoint prune runs/exp1 --keep-last 3",
     "report": "shardpoint report runs/exp1                 # summary + runs/exp1/report.png\n"
     "  shardpoint report runs/exp1 --out saves.png --json",
+    "rollback": "shardpoint rollback runs/exp1 --to 12000 --skip-batches 400 --reason 'spike'\n"
+    "  shardpoint rollback runs/exp1 --to 12000 --remote s3://bucket/exp1",
 }
 
 
@@ -544,6 +547,51 @@ def _prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollback(args: argparse.Namespace) -> int:
+    """Through a ``CheckpointManager`` of the directory (and its remote), as in the job:
+    one implementation of what a rollback sets aside and records."""
+    from .training.manager import CheckpointManager
+    from .training.options import RemoteTier
+    from .training.retention import RetentionPolicy
+
+    if not os.path.isdir(args.path) and "://" not in args.path:
+        raise CheckpointError(f"{args.path}: no such directory (a CheckpointManager's)")
+    remote = RemoteTier(args.remote, RetentionPolicy(None)) if args.remote else None
+    manager = CheckpointManager(args.path, remote=remote, preemption_signals=())
+    try:
+        if args.to not in set(manager.steps()) | set(manager.remote_steps()):
+            raise CheckpointError(
+                f"{args.path}: no committed checkpoint of step {args.to} (committed: "
+                f"{manager.steps() or 'none'}); `shardpoint ls {args.path}` lists them"
+            )
+        with warnings.catch_warnings(record=True) as moved:
+            warnings.simplefilter("always")
+            before = len(manager.rollbacks)
+            done = manager.rollback(args.to, skip_batches=args.skip_batches, reason=args.reason)
+    finally:
+        manager.close()
+    doc = {
+        "to_step": done.to_step,
+        "skip_batches": done.skip_batches,
+        "reason": done.reason,
+        "already_recorded": len(manager.rollbacks) == before,
+        "set_aside": [str(w.message) for w in moved],
+    }
+    if args.json:
+        _print_json(doc)
+        return 0
+    console = _console()
+    for line in doc["set_aside"]:
+        console.print(f"[yellow]set aside[/] {escape(line)}", highlight=False)
+    said = "already recorded" if doc["already_recorded"] else "recorded"
+    console.print(
+        f"rollback to step {done.to_step} (skip {done.skip_batches} batches) {said}: the "
+        "next start restores it; run this while the job is stopped",
+        highlight=False,
+    )
+    return 0
+
+
 def _left_alone_because(row: dict[str, Any]) -> str | None:
     """Why prune neither counts nor deletes this checkpoint; None if it may."""
     if os.path.islink(row["path"]):
@@ -653,6 +701,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("report", _report, "summary and plot of a CheckpointManager's event log")
     p.add_argument("path", help="a CheckpointManager directory (with events.jsonl)")
     p.add_argument("--out", help="PNG path (default: DIR/report.png)")
+    p = command("rollback", _rollback, "go back to an earlier step; newer ones set aside, kept")
+    p.add_argument("path", help="a CheckpointManager directory (or URL); the job stopped")
+    p.add_argument("--to", type=int, required=True, help="the committed step to go back to")
+    p.add_argument("--skip-batches", type=int, default=0, help="batches to skip after it")
+    p.add_argument("--reason", default="", help="recorded with it (a loss spike at ...)")
+    p.add_argument("--remote", help="the run's remote tier URL: set aside and recorded there too")
     return parser
 
 

@@ -38,6 +38,10 @@ class Commit:
         except CorruptCheckpointError:
             return True
 
+    def committed_at(self) -> float | None:
+        """When the marker was written (the storage's clock), None without one."""
+        return self.storage.modified(MARKER_NAME)
+
     def _marker_present(self) -> bool:
         """Like ``is_committed``, but a marker that cannot be looked at (an unreachable
         store, a symlink loop) is an error: a save must not guess."""

@@ -27,6 +27,10 @@ class UnsupportedValueError(CheckpointError, TypeError):
     """A value in the state cannot be stored without pickle; refused at save time."""
 
 
+class NaNStateError(CheckpointError):
+    """The state to save holds NaN (a diverged run): it is not checkpointed."""
+
+
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """A committed checkpoint already exists where a new one was to be written."""
 

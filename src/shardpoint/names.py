@@ -6,7 +6,8 @@ file), ``rankRRRRR.chunks.json`` fragments (format version 2: where rank R's chu
 sharded entries are), ``index.json`` and the ``COMMITTED`` marker. A deleted
 checkpoint whose shard files later checkpoints still refer to (incremental saves)
 keeps those files and a ``PRUNED`` note instead of its marker. The manager's directory
-also holds ``run-id``: which run its checkpoints belong to (the memory tier's namespace).
+also holds ``run-id``: which run its checkpoints belong to (the memory tier's namespace),
+and ``rollbacks.json``: the rollbacks asked of the run.
 Anything else is not ours.
 """
 
@@ -26,6 +27,7 @@ _OWN_FILE = re.compile(
 )
 PRUNED_NAME = "PRUNED"
 RUN_ID_NAME = "run-id"
+ROLLBACKS_NAME = "rollbacks.json"  # the run's rollback requests (training/rollback.py)
 
 __all__ = ["INDEX_NAME", "MARKER_NAME"]
 
@@ -34,10 +36,17 @@ def step_dir(step: int) -> str:
     return f"step-{step:09d}"
 
 
-def set_aside_dir(step: int, n: int) -> str:
-    """The name a checkpoint a restore could not use is moved to (``n``: the first free
-    one): not a step directory, so neither restored, counted nor deleted."""
-    return f"{step_dir(step)}.unusable-{n}"
+# Why a checkpoint was set aside: a restore could not use it, a rollback went back past
+# it, or a restore of an explicit older step made it part of an abandoned future.
+SET_ASIDE_REASONS = ("unusable", "rolled-back", "superseded")
+
+
+def set_aside_dir(step: int, n: int, why: str = "unusable") -> str:
+    """The name a set-aside checkpoint is moved to (``n``: the first free one; ``why``
+    one of ``SET_ASIDE_REASONS``): not a step directory, so neither restored, counted
+    nor deleted."""
+    assert why in SET_ASIDE_REASONS, why
+    return f"{step_dir(step)}.{why}-{n}"
 
 
 def parse_step_dir(name: str) -> int | None:

@@ -234,6 +234,15 @@ class LocalDirectory:
             except FileNotFoundError:
                 return None
 
+    def modified(self, name: str) -> float | None:
+        """When ``name`` was last written (seconds since the epoch), None if it does not exist."""
+        path = self.path(name)
+        with typed_read_errors(path):
+            try:
+                return path.stat().st_mtime
+            except FileNotFoundError:
+                return None
+
     def read_small(self, name: str, limit: int) -> bytes | None:
         """The whole of ``name`` (None if it does not exist), refusing one over ``limit``
         bytes before reading it: a hostile sparse file must not exhaust memory."""

@@ -137,6 +137,14 @@ class ObjectStoreDirectory:
         table = self._table(name)  # asked only once the plain object is not there
         return table.size if table is not None else None
 
+    def modified(self, name: str) -> float | None:
+        """When the object ``name`` was written (the store's clock), None if it is not there."""
+        with _typed_read_errors(self.location(name)):
+            try:
+                return self.obs.head(self.store, self._key(name))["last_modified"].timestamp()
+            except FileNotFoundError:
+                return None
+
     def read_small(self, name: str, limit: int) -> bytes | None:
         """The whole object (None if absent), refusing one over ``limit`` bytes before
         reading its body."""

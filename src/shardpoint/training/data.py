@@ -163,6 +163,16 @@ class ResumableLoader:
         s.epoch += 1
         s.cursor = 0
 
+    def skip_batches(self, n: int) -> None:
+        """Move the position past the next ``n`` batches of every rank, as if the loop had
+        taken them (into later epochs if need be): a rollback's skipped bad batches."""
+        s = self.sampler
+        for _ in range(n):
+            if s.per_rank() == 0:  # the epoch was used up: its next batch is the next epoch's
+                s.epoch += 1
+                s.cursor = 0
+            s.cursor += min(self.batch_size, s.per_rank()) * s.world_size
+
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
 

@@ -25,12 +25,14 @@ from ..checkpoint_dir import open_committed
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
+    NaNStateError,
     StateMismatchError,
     UnsupportedValueError,
 )
 from ..incremental import IncrementalChain
 from ..loading import load
 from ..names import RUN_ID_NAME
+from ..nan_check import first_nan
 from ..saving import SaveInfo, SaveOptions, run_save
 from ..shared_reads import join_failed
 from ..storage import CheckpointStorage, is_url, open_storage
@@ -38,6 +40,16 @@ from ..storage.layered import LayeredCheckpoint
 from .memory_tier import MemoryTier
 from .options import AsyncOptions, IOOptions, MemoryTierOptions, RemoteTier, SavePolicy
 from .retention import KeptCheckpoint, RetentionPolicy
+from .rollback import (
+    Rollback,
+    add_rollback,
+    merged,
+    read_rollbacks,
+    request,
+    skip_for,
+    write_rollbacks,
+)
+from .rollback import skip_batches as skip_data_batches
 from .tiers import CheckpointTier, Uploader
 
 
@@ -195,6 +207,7 @@ class CheckpointManager:
         self.remote = CheckpointTier(remote.url, storage_options) if remote else None
         self.remote_retention = remote.retention if remote else None
         self.memory_every_n_steps = memory.every_n_steps if memory else None
+        self.rollbacks: list[Rollback] = self._agreed_rollbacks()
         self.memory = (
             MemoryTier(
                 memory.job or _memory_job(self.directory, self.tier.storage, self.per_node),
@@ -221,14 +234,17 @@ class CheckpointManager:
         # process saved (incremental.py); the first save after a start writes all.
         self._chain = IncrementalChain() if incremental else None
         self._saving_to: Any = None  # the async save in flight
-        # Steps the last restore passed over (no copy could be used) -> those tiers.
-        self._unusable: dict[int, set[str]] = {}
+        # Steps the last restore passed over -> (the tiers holding them, why): no copy
+        # could be used ("unusable"), or an explicit older step was restored ("superseded").
+        self._passed_over: dict[int, tuple[set[str], str]] = {}
         self._last_save = time.monotonic()
         self._signal: int | None = None
         self._preempting = False  # the latest save decision's, agreed by every rank
         self._stop = False
         self._previous_handlers: dict[int, Any] = {}
         self._install_handlers(preemption_signals)
+        for rollback in self.rollbacks:  # a node or tier the request did not reach
+            self._apply_rollback(rollback)
         self._remove_leftovers()
         self._uploader: Uploader | None = None
         if self.remote is not None:
@@ -313,9 +329,15 @@ class CheckpointManager:
 
     # ---- restore --------------------------------------------------------------------------
 
-    def restore(self, state: Any) -> int | None:
+    def restore(self, state: Any, *, step: int | None = None) -> int | None:
         """Load the newest checkpoint every rank can read into ``state``; returns its
-        step, or None.
+        step, or None. With ``step``, that one only (None if no copy of it is usable):
+        the newer ones are then set aside at the first save, on every tier, so that the
+        run saves those steps anew and retention counts the run from ``step`` on.
+
+        A restore landing on the step of a rollback (``rollback``) skips the batches the
+        rollback asked to skip, so a requeued job skips them again and a later
+        checkpoint (which holds the advanced position) does not.
 
         Each rank reads every file from its node's copy when it has it, else from the
         remote tier, so a replaced node reads only what it lacks. A damaged or
@@ -329,16 +351,116 @@ class CheckpointManager:
         """
         if self._uploader is not None:
             self._uploader.flush()
+        wanted = step
         failed: dict[int, set[str]] = {}  # step -> the tiers whose copy could not be used
-        for step, load_it in self._candidates():
+        candidates = self._candidates()
+        for step, load_it in candidates:
+            if wanted is not None and step != wanted:
+                continue
             if load_it(state):
-                self._unusable = {s: tiers for s, tiers in failed.items() if s > step}
+                passed = {s: (tiers, "unusable") for s, tiers in failed.items() if s > step}
+                if wanted is not None:
+                    newer = {s for s, _ in candidates if s > wanted}
+                    passed = {s: ({"local", "remote"}, "superseded") for s in newer}
+                    if self.memory is not None:
+                        self.memory.discard(lambda s, _: s > wanted)
+                self._passed_over = passed
+                self._skip_after_restore(state, step)
                 return step
             tier = getattr(load_it, "keywords", {}).get("tier")  # None: the memory tier
             if tier is not None:
                 failed.setdefault(step, set()).add(tier)
-        self._unusable = failed
+        self._passed_over = {s: (tiers, "unusable") for s, tiers in failed.items()}
         return None
+
+    def _skip_after_restore(self, state: Any, step: int) -> None:
+        """Skip the batches a rollback to ``step`` asked to skip (every rank alike)."""
+        n = skip_for(self.rollbacks, step)
+        if n:
+            skip_data_batches(state, n, str(self.path_for(step)))
+            self._log("rollback_skip", step=step, skipped_batches=n)
+
+    # ---- rollback ---------------------------------------------------------------------------
+
+    def rollback(self, to_step: int, *, skip_batches: int = 0, reason: str = "") -> Rollback:
+        """Collective: go back to the checkpoint of ``to_step`` (a loss spike after it).
+
+        Every newer checkpoint is set aside on every tier (``step-N.rolled-back-K``,
+        every byte kept; on object stores copied there, then deleted), newer copies in
+        the memory tier are dropped, and the request is recorded in the run's
+        ``rollbacks.json`` (and the remote's): the next ``restore`` loads ``to_step`` and
+        then skips ``skip_batches`` batches (a ``ResumableLoader``'s, also in a
+        ``TrainState``). The same request made again (a requeued job script asking for
+        it at every start) is the one recorded: nothing newer that the resumed run
+        saved is touched. Returns the rollback in effect.
+        """
+        self.wait()  # a save in flight commits first: it is one the rollback passes over
+        if self._uploader is not None:
+            self._uploader.flush()
+        new = dist.broadcast_json(
+            vars(request(to_step, skip_batches, reason)) if dist.rank() == 0 else None
+        )
+        fresh = Rollback(**new)
+        rollbacks, chosen = add_rollback(self.rollbacks, fresh)
+        if chosen is not fresh:
+            return chosen  # asked for before: applied then (and at every start since)
+        self.rollbacks = rollbacks
+        self._record_rollbacks()
+        self._apply_rollback(chosen)
+        self._log("rollback", to_step=to_step, skip_batches=skip_batches, reason=reason)
+        return chosen
+
+    def _agreed_rollbacks(self) -> list[Rollback]:
+        """Collective: the run's rollbacks (rank 0 reads its directory's record and the
+        remote's, and sends the union: the same list on every rank)."""
+        found: Any = None
+        if dist.rank() == 0:
+            lists = [self._read_rollbacks(self.tier)]
+            if self.remote is not None:
+                lists.append(self._read_rollbacks(self.remote))
+            found = [vars(r) for r in merged(*lists)]
+        return [Rollback(**r) for r in dist.broadcast_json(found)]
+
+    def _read_rollbacks(self, tier: CheckpointTier) -> list[Rollback]:
+        try:
+            return read_rollbacks(tier.storage)
+        except CheckpointError as exc:  # a store down, or a damaged record
+            warnings.warn(f"{tier.root}: rollbacks not read: {exc}", stacklevel=4)
+            return []
+
+    def _record_rollbacks(self) -> None:
+        """Write the agreed rollbacks where they are read: every node's directory (by
+        its keeper) and the remote (by rank 0)."""
+        where = [self.tier] if self._keeps_local else []
+        if dist.rank() == 0 and self.remote is not None:
+            where.append(self.remote)
+        for tier in where:
+            try:
+                write_rollbacks(tier.storage, self.rollbacks)
+            except (OSError, CheckpointError) as exc:
+                warnings.warn(
+                    f"{tier.root}: cannot record the rollback ({exc}); a restart will not "
+                    "know of it",
+                    stacklevel=3,
+                )
+
+    def _apply_rollback(self, rollback: Rollback) -> None:
+        """Set aside what ``rollback`` goes back past, on this rank's tiers (see
+        ``training/rollback.py``). Idempotent; collective only through its barrier."""
+        tiers = [("local", self.tier)] if self._keeps_local else []
+        if dist.rank() == 0 and self.remote is not None:
+            tiers.append(("remote", self.remote))
+        for name, tier in tiers:
+            try:
+                steps = [s for s in tier.steps() if rollback.passes_over(s, tier.committed_at(s))]
+            except CheckpointError as exc:  # a store down: applied at the next start
+                self._cannot_delete(tier.root, exc)
+                continue
+            for step in steps:
+                self._set_aside(name, tier, step, "rolled-back")
+        if self.memory is not None:
+            self.memory.discard(rollback.passes_over)
+        dist.barrier()  # set aside on every node before any rank restores or saves
 
     def _candidates(self) -> list[tuple[int, Callable[[Any], bool]]]:
         """Every copy ``restore`` may load, in the order it tries them: (step, a
@@ -541,14 +663,44 @@ class CheckpointManager:
         """Save if the interval rules (or a preemption signal) say so; True if it saved.
         With the memory tier, also keep the state in memory every
         ``memory_every_n_steps`` steps."""
-        if self.memory is not None and step % (self.memory_every_n_steps or 1) == 0:
-            self.save_to_memory(step, state)
-        return self.save(step, state, metrics=metrics) is not None
+        to_memory = self.memory is not None and step % (self.memory_every_n_steps or 1) == 0
+        due = self.should_save(step)
+        if to_memory or due:
+            self._refuse_nan(step, state)
+        if to_memory:
+            self._to_memory(step, state)
+        return due and self._save_now(step, state, False, metrics) is not None
 
     def save_to_memory(self, step: int, state: Any) -> None:
         """Collective: keep ``state`` in this node's memory and on the buddies'. Returns
         once it is staged; the rest runs in the background (``MemoryTier.save``)."""
-        assert self.memory is not None, "no memory tier: pass memory_every_n_steps"
+        assert self.memory is not None, "no memory tier: pass MemoryTierOptions"
+        self._refuse_nan(step, state)
+        self._to_memory(step, state)
+
+    def _refuse_nan(self, step: int, state: Any) -> None:
+        """Collective: raise ``NaNStateError`` on every rank if any rank's state holds NaN
+        (``SavePolicy.refuse_nan``), before a byte of it is staged anywhere."""
+        if not self.policy.refuse_nan:
+            return
+        try:
+            found = first_nan(state)
+        except Exception:  # a state_dict() that raises: the save reports it, on every rank
+            found = None
+        mine = None if found is None else f"{found!r} on rank {dist.rank()}"
+        _, first = dist.worst_error(mine, 0)
+        if first is None:
+            return
+        self._log("save_refused", step=step, reason="nan", tensor=first)
+        raise NaNStateError(
+            f"{self.directory}: step {step} not saved: NaN in {first} (the run diverged). "
+            "The checkpoints before it are kept; go back to one with "
+            "manager.rollback(STEP, skip_batches=N) or `shardpoint rollback "
+            f"{self.directory} --to STEP --skip-batches N`, then restore"
+        )
+
+    def _to_memory(self, step: int, state: Any) -> None:
+        assert self.memory is not None
         stall: list[float] = []
 
         def on_done(seconds: float, error: BaseException | None) -> None:
@@ -576,8 +728,15 @@ class CheckpointManager:
         """
         if not force and not self.should_save(step):
             return None
-        if self._unusable:
-            self._set_aside_unusable()
+        self._refuse_nan(step, state)
+        return self._save_now(step, state, force, metrics)
+
+    def _save_now(
+        self, step: int, state: Any, force: bool, metrics: dict[str, float] | None
+    ) -> SaveInfo | AsyncSave | None:
+        """``save`` once it is due and the state was checked."""
+        if self._passed_over:
+            self._set_aside_passed_over()
         if force:
             self._preempting = self._agreed_preemption()
         path = self.path_for(step)
@@ -673,47 +832,56 @@ class CheckpointManager:
                 self._signal = seen
         return bool(seen)
 
-    def _set_aside_unusable(self) -> None:
+    def _set_aside_passed_over(self) -> None:
         """Collective, at the first save after a restore that passed over newer steps
-        (no copy of theirs could be used): rename their directories out of the way,
-        every byte kept (``step-N.unusable-K``). This run goes on from an older step and
-        saves those steps anew; left in place they were taken for this run's saves
-        (skipped as saved already), kept by retention as the newest, and tried first by
-        every later restore. A failure to read them may have been passing (a store or
-        disk that was down), so nothing is deleted: the user decides."""
-        unusable, self._unusable = self._unusable, {}
+        (no copy of theirs could be used, or an explicit older step was restored): move
+        their directories out of the way, every byte kept (``step-N.unusable-K``,
+        ``step-N.superseded-K``). This run goes on from an older step and saves those
+        steps anew; left in place they were taken for this run's saves (skipped as saved
+        already), kept by retention as the newest, and tried first by every later
+        restore. A failure to read them may have been passing (a store or disk that was
+        down), so nothing is deleted: the user decides."""
+        passed, self._passed_over = self._passed_over, {}
         tiers = [("local", self.tier, self._keeps_local)]
         if self.remote is not None:
             tiers.append(("remote", self.remote, dist.rank() == 0))
         for name, tier, mine in tiers:
-            steps = [s for s, tried in unusable.items() if name in tried and mine]
+            steps = [s for s, (tried, _) in passed.items() if name in tried and mine]
             try:
                 here = set(tier.step_dirs()) if steps else set()  # a node may not hold them
             except CheckpointError as exc:  # a store down: left as is, the barrier still met
                 self._cannot_delete(tier.root, exc)
                 continue
             for step in sorted(s for s in steps if s in here):
-                try:
-                    where = tier.set_aside(step)
-                except OSError as exc:
-                    self._cannot_delete(tier.path_for(step), exc)
-                    continue
-                if where is None:
-                    warnings.warn(
-                        f"{tier.path_for(step)}: the restore could not use this checkpoint "
-                        "and it cannot be moved aside here (an object store, or a link): "
-                        "this run will not save that step again until it is removed",
-                        stacklevel=3,
-                    )
-                    continue
-                warnings.warn(
-                    f"{tier.path_for(step)}: the restore could not use this checkpoint; moved "
-                    f"to {where} (delete it when it is not needed) so that this run saves "
-                    "that step again",
-                    stacklevel=3,
-                )
-                self.events.write("set_aside", step=step, path=where, tier=name)
+                self._set_aside(name, tier, step, passed[step][1])
         dist.barrier()  # moved on every node before any rank saves one of those steps
+
+    def _set_aside(self, name: str, tier: CheckpointTier, step: int, why: str) -> None:
+        """Move one checkpoint aside (``CheckpointTier.set_aside``), warning and logging."""
+        try:
+            where = tier.set_aside(step, why)
+        except (OSError, CheckpointError) as exc:
+            self._cannot_delete(tier.path_for(step), exc)
+            return
+        cause = {
+            "unusable": "the restore could not use this checkpoint",
+            "superseded": "an older checkpoint was restored",
+            "rolled-back": "a rollback went back past this checkpoint",
+        }[why]
+        if where is None:
+            warnings.warn(
+                f"{tier.path_for(step)}: {cause} and it cannot be moved aside here (an "
+                "object store, or a link): this run will not save that step again until "
+                "it is removed",
+                stacklevel=4,
+            )
+            return
+        warnings.warn(
+            f"{tier.path_for(step)}: {cause}; moved to {where} (delete it when it is not "
+            "needed) so that this run saves that step again",
+            stacklevel=4,
+        )
+        self.events.write("set_aside", step=step, path=where, tier=name, why=why)
 
     def _apply_retention(self, saved: int) -> None:
         """Apply the policy after the save of step ``saved``, which is always kept: a

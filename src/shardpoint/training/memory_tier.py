@@ -312,6 +312,20 @@ class MemoryTier:
                 if step is not None and step not in steps[-self.keep :] and step <= newest:
                     shutil.rmtree(d, ignore_errors=True)
 
+    def discard(self, passed_over: Callable[[int, float | None], bool]) -> list[int]:
+        """Delete this rank's copies (own and held replicas) of the steps for which
+        ``passed_over(step, committed_at)`` holds (a rollback went back past them);
+        returns their steps. Not collective: each rank looks at its own."""
+        self.wait(raise_error=False)
+        gone = set()
+        for parent in [self.base / "own" / f"rank{self.rank:05d}", *self._replica_parents()]:
+            for step in self._committed_steps(parent):
+                d = parent / step_dir(step)
+                if passed_over(step, Commit(open_storage(d)).committed_at()):
+                    shutil.rmtree(d, ignore_errors=True)
+                    gone.add(step)
+        return sorted(gone)
+
     def _replica_parents(self) -> list[Path]:
         """The replica directories this rank holds (other ranks of the node hold others)."""
         held = [(self.rank - k * self.per_node) % self.world for k in range(1, self.replicas + 1)]

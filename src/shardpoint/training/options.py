@@ -18,11 +18,17 @@ class SavePolicy:
     ``every_n_seconds``, at once after a preemption signal, and with ``continuous``
     (async saves only) whenever the previous save has committed, so that the newest
     checkpoint is as fresh as the disk allows (Orbax's continuous checkpointing halved
-    its median save interval this way)."""
+    its median save interval this way).
+
+    ``refuse_nan`` (default): a state holding NaN in a floating tensor is saved to no
+    tier: ``NaNStateError`` names the tensor and the rank, and the checkpoints before
+    it stay (``shardpoint.nan_check``: one reduction per tensor at memory speed, and one
+    small all-reduce under torch.distributed)."""
 
     every_n_steps: int | None = None
     every_n_seconds: float | None = None
     continuous: bool = False
+    refuse_nan: bool = True
 
     def __post_init__(self) -> None:
         if self.every_n_steps is not None and self.every_n_steps < 1:

@@ -9,6 +9,7 @@ checkpoint (and the next upload of that step clears).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import dist
+from ..checkpoint_copy import copy_checkpoint
 from ..checkpoint_dir import MAX_INDEX_BYTES
 from ..commit import Commit
 from ..errors import CheckpointError, CorruptCheckpointError
@@ -78,20 +80,35 @@ class CheckpointTier:
         linked in): read through, never deleted through."""
         return os.path.islink(self.path_for(step))
 
-    def set_aside(self, step: int) -> str | None:
-        """Rename the step's directory out of the way (``names.set_aside_dir``), keeping
-        every byte of it; returns where it went, or None where a rename is not possible
-        (an object store) or the directory is a link (an earlier run's, left alone)."""
-        if is_url(self.root) or self.linked(step):
+    def set_aside(self, step: int, why: str = "unusable") -> str | None:
+        """Move the step's checkpoint out of the way (``names.set_aside_dir``), keeping
+        every byte of it; returns where it went, or None where that is not possible: a
+        link (an earlier run's, left alone), or an object store for an ``unusable`` one
+        (no rename there; a copy of a damaged checkpoint would fail). On an object store
+        a committed checkpoint set aside for another reason is copied under the new name
+        (committed there) and then deleted."""
+        if self.linked(step):
             return None
+        if is_url(self.root):
+            if why == "unusable":
+                return None
+            taken = set(self.storage.subdirectories())
+            n = next(n for n in itertools.count(1) if set_aside_dir(step, n, why) not in taken)
+            target = join(self.root, set_aside_dir(step, n, why))
+            copy_checkpoint(self.path_for(step), target, storage_options=self.options)
+            self.delete(step)  # marker first: never two committed copies named as the step
+            return str(target)
         parent = Path(self.root)
-        n = 1
-        while (parent / set_aside_dir(step, n)).exists():
-            n += 1
-        target = parent / set_aside_dir(step, n)
+        n = next(
+            n for n in itertools.count(1) if not (parent / set_aside_dir(step, n, why)).exists()
+        )
+        target = parent / set_aside_dir(step, n, why)
         os.rename(self.path_for(step), target)  # atomic: seen whole under one name only
         fsync_directory(parent)
         return str(target)
+
+    def committed_at(self, step: int) -> float | None:
+        return self.commit_of(step).committed_at()
 
     def delete(self, step: int, keep: Collection[str] = ()) -> None:
         """Delete a checkpoint, except its files in ``keep`` (see ``references``)."""

@@ -100,6 +100,15 @@ class TrainState:
             sd["rng"] = PerRank({dist.rank(): capture_rng()})
         return sd
 
+    def skip_batches(self, n: int) -> None:
+        """Skip the next ``n`` batches of the data loader (a rollback past bad data)."""
+        if not hasattr(self.dataloader, "skip_batches"):
+            raise TypeError(
+                f"cannot skip {n} batches: TrainState's dataloader "
+                f"({type(self.dataloader).__name__}) has no skip_batches; use ResumableLoader"
+            )
+        self.dataloader.skip_batches(n)
+
     def stored_keys_to_load(
         self, rel: tuple[object, ...], keys: list[object]
     ) -> list[object] | None:
