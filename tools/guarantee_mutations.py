@@ -50,6 +50,7 @@ RESTART = (
 )
 BACKGROUND = "tests/test_save_plan_cache.py::"
 MANAGER = "tests/test_checkpoint_manager.py::"
+ROLLBACK = "tests/test_rollback.py::"
 MUTATIONS = [
     Mutation(
         "marker before index",
@@ -1330,6 +1331,69 @@ MUTATIONS = [
             "tests/test_safetensors_format.py::"
             "test_files_end_before_their_header_could_pass_the_readers_limit",
         ),
+    ),
+    Mutation(
+        "rollback ignores the marker time",
+        "rollback: idempotent across requeues",
+        "src/shardpoint/training/rollback.py",
+        "committed_at is not None and committed_at < self.time\n",
+        "committed_at is not None\n",
+        (
+            ROLLBACK + "test_the_same_rollback_asked_again_after_a_requeue_changes_nothing",
+            ROLLBACK
+            + "test_the_command_line_rollback_is_applied_by_the_next_start_and_survives_requeues",
+        ),
+    ),
+    Mutation(
+        "rollback skips no batches",
+        "rollback: exact resume without the bad batches",
+        "src/shardpoint/training/rollback.py",
+        "    return to_it[-1].skip_batches if to_it else 0\n",
+        "    return 0\n",
+        (ROLLBACK + "test_a_rollback_with_skipped_batches_resumes_as_a_run_that_never_saw_them",),
+    ),
+    Mutation(
+        "rollback keeps newer memory copies",
+        "rollback: no tier restores past it",
+        "src/shardpoint/training/manager.py",
+        "            self.memory.discard(rollback.passes_over)\n",
+        "            pass\n",
+        (ROLLBACK + "test_a_rollback_drops_newer_memory_copies_written_before_it",),
+    ),
+    Mutation(
+        "rollback leaves the remote",
+        "rollback: no tier restores past it",
+        "src/shardpoint/training/manager.py",
+        '            tiers.append(("remote", self.remote))\n        for name, tier in tiers:\n',
+        "            pass\n        for name, tier in tiers:\n",
+        (ROLLBACK + "test_a_rollback_sets_aside_the_remote_copies_too_keeping_their_bytes",),
+    ),
+    Mutation(
+        "explicit older restore sets nothing aside",
+        "restore(step=N): later saves and retention correct",
+        "src/shardpoint/training/manager.py",
+        '                    passed = {s: ({"local", "remote"}, "superseded") for s in newer}\n',
+        "                    passed = {}\n",
+        (
+            ROLLBACK
+            + "test_restoring_an_explicit_older_step_lets_later_saves_and_retention_proceed",
+        ),
+    ),
+    Mutation(
+        "NaN saved",
+        "never committing NaN",
+        "src/shardpoint/training/manager.py",
+        '        if first is None:\n            return\n        self._log("save_refused"',
+        '        if True:\n            return\n        self._log("save_refused"',
+        (ROLLBACK + "test_a_state_with_nan_is_never_committed_and_the_good_checkpoints_stay",),
+    ),
+    Mutation(
+        "NaN checked on its own rank only",
+        "never committing NaN (every rank agrees)",
+        "src/shardpoint/training/manager.py",
+        "        _, first = dist.worst_error(mine, 0)\n",
+        "        first = mine\n",
+        (ROLLBACK + "test_nan_on_one_rank_is_refused_on_every_rank_and_no_tier_takes_it",),
     ),
 ]
 
