@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -56,6 +57,9 @@ EXAMPLES = {
     "  shardpoint prune runs/exp1 --keep-last 3",
     "report": "shardpoint report runs/exp1                 # summary + runs/exp1/report.png\n"
     "  shardpoint report runs/exp1 --out saves.png --json",
+    "status": "shardpoint status runs/exp1\n"
+    "  shardpoint status runs/exp1 --max-age 30m || alert   # cron: exit 1 when stale\n"
+    "  shardpoint status runs/exp1 --json --tier remote --max-age 2h",
     "rollback": "shardpoint rollback runs/exp1 --to 12000 --skip-batches 400 --reason 'spike'\n"
     "  shardpoint rollback runs/exp1 --to 12000 --remote s3://bucket/exp1",
 }
@@ -634,6 +638,201 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- status -------------------------------------------------------------------------------
+
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``90``, ``90s``, ``30m``, ``2h``, ``1.5d``."""
+    number, unit = text.strip(), ""
+    if number and number[-1].lower() in _UNITS:
+        number, unit = number[:-1], number[-1].lower()
+    try:
+        seconds = float(number) * _UNITS[unit]
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"--max-age {text!r}: give seconds, or a number with s, m, h or d (30m)")
+    return seconds
+
+
+def _human_seconds(seconds: float) -> str:
+    """3.2 s, 12m 5s, 2h 3m, 4d 1h."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit} {int(seconds % size // sub_size)}{sub}"
+    return f"{int(seconds // 60)}m {int(seconds % 60)}s"
+
+
+def run_status(path: str, max_age: float | None = None, tier: str = "disk") -> dict[str, Any]:
+    """What a CheckpointManager's directory says about the run, read from the directory
+    alone: its committed steps (and their markers' times), its event log, set-aside
+    directories. ``healthy`` is False (``problems`` says why) when ``tier`` (``disk``:
+    local or remote; or ``local``, ``remote``, ``memory``) holds no checkpoint, or its
+    newest is older than ``max_age`` seconds."""
+    from .metrics import FAILURES, CheckpointMetrics
+    from .training.manager import EventLog
+
+    storage = open_storage(path)
+    if not storage.exists():
+        raise CheckpointError(f"{path}: no such directory (a CheckpointManager's)")
+    if _looks_like_checkpoint(path):
+        raise CheckpointError(
+            f"{path}: a checkpoint, not a CheckpointManager directory; give the one above it"
+        )
+    events = EventLog(storage).read()
+    now = time.time()
+    history = CheckpointMetrics(clock=lambda: now)  # one reading of the events: metrics'
+    for event in events:
+        history.observe(event)
+    committed: dict[int, float | None] = {}
+    pruned, uncommitted, set_aside = [], [], []
+    for name in storage.subdirectories():
+        step = parse_step_dir(name)
+        if step is not None:
+            commit = Commit(open_storage(join(path, name)))
+            if commit.is_committed():
+                committed[step] = commit.committed_at()
+            else:
+                (pruned if commit.is_pruned() else uncommitted).append(step)
+            continue
+        head, _, rest = name.partition(".")  # step-N.WHY-K: set aside (names.set_aside_dir)
+        if (step := parse_step_dir(head)) is not None and rest:
+            why, _, n = rest.rpartition("-")
+            set_aside.append(
+                {
+                    "step": step,
+                    "why": why if why and n.isdigit() else rest,
+                    "path": str(join(path, name)),
+                }
+            )
+
+    def entry(step: int, when: float | None, **more: Any) -> dict[str, Any]:
+        age = None if when is None else max(0.0, now - when)
+        return {"step": step, "time": when, "age_seconds": age, **more}
+
+    def when_of(event: dict[str, Any]) -> float | None:
+        t = event.get("time")
+        return float(t) if isinstance(t, (int, float)) and math.isfinite(t) else None
+
+    saved_at = {e.get("step"): when_of(e) for e in events if e.get("event") == "save"}
+    tiers: dict[str, Any] = dict.fromkeys(("local", "remote", "memory"))
+    if committed:
+        newest = max(committed)
+        when = committed[newest] if committed[newest] is not None else saved_at.get(newest)
+        tiers["local"] = entry(newest, when, committed=len(committed), source="directory")
+    for name, (step, when) in history.newest().items():
+        if name != "local":  # the local tier is the directory's listing, not the log's
+            tiers[name] = entry(step, when, source="event log")
+    uploads = any(e.get("event") in ("upload", "upload_failed") for e in events)
+    remote_step = tiers["remote"]["step"] if tiers["remote"] else -1
+    pending = [s for s in sorted(committed) if s > remote_step] if uploads else []
+    considered = ("local", "remote") if tier == "disk" else (tier,)
+    found = [tiers[t] for t in considered if tiers[t] and tiers[t]["time"] is not None]
+    freshest = max(found, key=lambda t: t["time"], default=None)
+    last = max((i for i, e in enumerate(events) if e.get("event") == "save"), default=-1)
+    since: dict[str, Any] = {}
+    for e in events[last + 1 :]:
+        if e.get("event") in FAILURES:
+            kind = since.setdefault(e["event"], {"count": 0, "last_error": None})
+            kind["count"] += 1
+            kind["last_error"] = e.get("error") or e.get("reason") or kind["last_error"]
+    problems = []
+    where = "on disk (local or remote)" if tier == "disk" else f"in the {tier} tier"
+    if freshest is None:
+        problems.append(f"no checkpoint {where}")
+    elif max_age is not None and freshest["age_seconds"] > max_age:
+        problems.append(
+            f"the newest checkpoint {where} (step {freshest['step']}) is "
+            f"{_human_seconds(freshest['age_seconds'])} old, over --max-age "
+            f"{_human_seconds(max_age)}"
+        )
+    last_save = events[last] if last >= 0 else None
+    return {
+        "path": str(path),
+        "time": now,
+        "healthy": not problems,
+        "problems": problems,
+        "tier": tier,
+        "max_age_seconds": max_age,
+        "newest": freshest,
+        "tiers": tiers,
+        "last_save": None
+        if last_save is None
+        else {**last_save, "age_seconds": max(0.0, now - (when_of(last_save) or now))},
+        "failures_since_last_save": since,
+        "failures": {k: n for k, n in history.failures.items() if n},
+        "retention": {
+            "committed": sorted(committed),
+            "pruned": sorted(pruned),
+            "uncommitted": sorted(uncommitted),
+            "deleted": history.deletions["local"],
+        },
+        "pending_uploads": pending,
+        "set_aside": sorted(set_aside, key=lambda a: (a["step"], a["path"])),
+        "rollbacks": [e for e in events if e.get("event") == "rollback"],
+    }
+
+
+def _status(args: argparse.Namespace) -> int:
+    max_age = parse_duration(args.max_age) if args.max_age is not None else None
+    doc = run_status(args.path, max_age, args.tier)
+    code = 0 if doc["healthy"] else 1
+    if args.json:
+        _print_json(doc)
+        return code
+    console = _console()
+    verdict = "[green]healthy[/]" if doc["healthy"] else "[bold red]unhealthy[/]"
+    table = Table(title=f"{escape(str(args.path))}: {verdict}", title_justify="left")
+    for column in ("tier", "newest step", "age", "from"):
+        table.add_column(column, justify="right" if column in ("newest step", "age") else "left")
+    for name, t in doc["tiers"].items():
+        if t is None:
+            table.add_row(name, "", "", "[dim]none[/]")
+            continue
+        age = "" if t["age_seconds"] is None else _human_seconds(t["age_seconds"])
+        what = f"{t['committed']} committed" if "committed" in t else t["source"]
+        table.add_row(name, str(t["step"]), age, what)
+    console.print(table)
+    save = doc["last_save"]
+    if save is not None:
+        console.print(
+            f"last save: step {save.get('step')}, {_human_seconds(save['age_seconds'])} ago, "
+            f"{float(save.get('seconds') or 0):.3f} s to commit, "
+            f"{float(save.get('blocked_seconds') or 0):.3f} s stall, "
+            f"{human_bytes(float(save.get('bytes') or 0))}, {save.get('gb_per_s', 0)} GB/s",
+            highlight=False,
+        )
+    for kind, f in doc["failures_since_last_save"].items():
+        error = f": {escape(str(f['last_error']))}" if f["last_error"] else ""
+        console.print(
+            f"[yellow]{kind}[/] x{f['count']} since the last save{error}", highlight=False
+        )
+    r = doc["retention"]
+    console.print(
+        f"retention: {len(r['committed'])} committed {r['committed']}, deleted {r['deleted']}"
+        + (f", pruned {r['pruned']}" if r["pruned"] else "")
+        + (f", uncommitted {r['uncommitted']}" if r["uncommitted"] else ""),
+        highlight=False,
+    )
+    if doc["pending_uploads"]:
+        console.print(f"not uploaded yet: {doc['pending_uploads']}", highlight=False)
+    for a in doc["set_aside"]:
+        console.print(f"[yellow]set aside[/] step {a['step']} ({a['why']}): {escape(a['path'])}")
+    for e in doc["rollbacks"]:
+        console.print(
+            f"rollback to step {e.get('to_step', '?')} (skip {e.get('skip_batches', 0)} batches)"
+            + (f": {escape(str(e['reason']))}" if e.get("reason") else ""),
+            highlight=False,
+        )
+    for problem in doc["problems"]:
+        console.print(f"[bold red]{escape(problem)}[/]", highlight=False)
+    return code
+
+
 # ---- the parser ---------------------------------------------------------------------------
 
 
@@ -707,6 +906,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-batches", type=int, default=0, help="batches to skip after it")
     p.add_argument("--reason", default="", help="recorded with it (a loss spike at ...)")
     p.add_argument("--remote", help="the run's remote tier URL: set aside and recorded there too")
+    p = command(
+        "status", _status, "a run's newest checkpoint per tier and its age; exit 1 if stale"
+    )
+    p.add_argument("path", help="a CheckpointManager directory (or URL)")
+    p.add_argument("--max-age", help="exit 1 if the newest checkpoint is older: 90s, 30m, 2h, 600")
+    p.add_argument(
+        "--tier",
+        choices=("disk", "local", "remote", "memory"),
+        default="disk",
+        help="whose newest checkpoint --max-age checks (default disk: local or remote)",
+    )
     return parser
 
 
