@@ -34,6 +34,7 @@ import itertools
 import os
 import re
 import signal
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -231,13 +232,40 @@ class _EachRank:
         (self.value,) = state["ranks"].values()
 
 
+class InexactResumeWarning(UserWarning):
+    """A resumed fit will not continue bit for bit as the uninterrupted one would have
+    (the message says why and what to change)."""
+
+
 class ResumableRNG(Callback):
-    """Saves every rank's Python, NumPy and torch random streams with every checkpoint
-    and puts each rank's own back when a resumed fit starts training (a rank the saved
-    run did not have gets streams derived from a saved rank's and its own number)."""
+    """Saves every rank's Python, NumPy and torch random streams, and the state of the
+    training loader's own generators (the ``DataLoader``'s ``generator`` and its
+    sampler's), with every checkpoint, and puts each rank's own back when a resumed fit
+    starts (a rank the saved run did not have gets streams derived from a saved rank's
+    and its own number, and its loader's generators as they are).
+
+    When they go back depends on where the checkpoint was saved, so that every draw
+    comes from the state the uninterrupted fit drew it from:
+
+    - on an epoch's last batch: the next thing the uninterrupted fit did was make the
+      next epoch's iterator, drawing its shuffling (and the loader's base seed) from
+      these generators or the global stream. Everything goes back just before the
+      resumed fit makes its iterator, and a map-style loader's saved position (of an
+      epoch that is over) is not loaded: its fresh iterator is the uninterrupted one's.
+    - mid-epoch: the loader's own state (a torchdata ``StatefulDataLoader``) continues
+      the epoch; when training starts, the global streams and the loader's generators
+      go back to the saved states, for the draws the epochs after it make. A loader
+      without a state (a plain ``DataLoader``) restarts at the epoch's first batch in
+      Lightning: ``InexactResumeWarning``, naming the fix.
+    """
 
     def __init__(self) -> None:
+        self._trainer: Any = None
         self._pending: dict[str, Any] | None = None
+        self._generators: list[list[torch.Tensor]] | None = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
         # Lightning builds the checkpoint on every rank and rank 0 writes its dict:
@@ -245,18 +273,107 @@ class ResumableRNG(Callback):
         # (A strategy that keeps every rank's dict, ShardpointModelParallelStrategy,
         # stores each rank's own streams with it as well.)
         own = capture_rng()
-        gathered = dist.gather_json(_encode(own))
+        generators = [
+            [g.get_state() for g in _generators(loader)] for loader in self._train_loaders()
+        ]
+        gathered = dist.gather_json(_encode({"streams": own, "generators": generators}))
         if gathered is None:
-            return {"streams": {dist.rank(): own}}
-        return {"streams": {rank: _decode(streams) for rank, streams in enumerate(gathered)}}
+            return {"streams": {dist.rank(): own}, "generators": {dist.rank(): generators}}
+        ranks = [_decode(value) for value in gathered]
+        return {
+            "streams": {rank: value["streams"] for rank, value in enumerate(ranks)},
+            "generators": {rank: value["generators"] for rank, value in enumerate(ranks)},
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = streams_for(dist.rank(), state_dict["streams"])
+        self._generators = state_dict.get("generators", {}).get(dist.rank())
+        fit_loop = getattr(self._trainer, "fit_loop", None)
+        if fit_loop is not None and hasattr(fit_loop, "_load_combined_loader_states"):
+            # Lightning has no hook between making the train loader and its iterator:
+            # this is the call just before the iterator (FitLoop.setup_data).
+            load_loader_states = fit_loop._load_combined_loader_states
+
+            def before_the_iterator() -> None:
+                del fit_loop._load_combined_loader_states  # once: the class's again
+                self._before_the_iterator(fit_loop)
+                load_loader_states()
+
+            fit_loop._load_combined_loader_states = before_the_iterator
+
+    def _before_the_iterator(self, fit_loop: Any) -> None:
+        if not fit_loop.epoch_loop.batch_progress.is_last_batch or self._pending is None:
+            return  # mid-epoch: the loader's own state continues; see on_train_start
+        loaders = self._train_loaders()
+        if not any(isinstance(dl.dataset, torch.utils.data.IterableDataset) for dl in loaders):
+            # The saved position is of an epoch that is over: the uninterrupted fit
+            # made a fresh iterator next, and so does this one.
+            fit_loop._combined_loader_states_to_load = []
+        restore_rng(self._pending)
+        self._pending = None
+        self._restore_generators(loaders)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._pending is not None:
-            restore_rng(self._pending)
-            self._pending = None
+        if self._pending is None:
+            return  # nothing loaded, or restored before the iterator (an epoch's end)
+        restore_rng(self._pending)
+        self._pending = None
+        loaders = self._train_loaders()
+        plain = [dl for dl in loaders if not _has_state(dl)]
+        if plain and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            warnings.warn(
+                f"resumed mid-epoch (global step {trainer.global_step}) with a "
+                f"{type(plain[0]).__name__} that has no state: Lightning restarts it at "
+                "the epoch's first batch, so the rest of this epoch does not get the "
+                "uninterrupted fit's batches. Use torchdata's StatefulDataLoader, or "
+                "save only on an epoch's last batch, for an exact resume",
+                InexactResumeWarning,
+                stacklevel=2,
+            )
+        self._restore_generators(loaders)
+
+    def _train_loaders(self) -> list[Any]:
+        combined = getattr(getattr(self._trainer, "fit_loop", None), "_combined_loader", None)
+        if combined is None:
+            return []
+        return [dl for dl in combined.flattened if isinstance(dl, torch.utils.data.DataLoader)]
+
+    def _restore_generators(self, loaders: list[Any]) -> None:
+        saved, self._generators = self._generators, None
+        if saved is None:
+            return
+        now = [_generators(loader) for loader in loaders]
+        if [len(g) for g in now] != [len(s) for s in saved]:
+            warnings.warn(
+                f"the checkpoint holds the states of {[len(s) for s in saved]} generators "
+                f"for the train loaders, which now have {[len(g) for g in now]}: they are "
+                "left as they are, and the shuffling after the resume may differ from the "
+                "uninterrupted fit's. Resume with the loaders the fit was saved with",
+                InexactResumeWarning,
+                stacklevel=2,
+            )
+            return
+        for generators, states in zip(now, saved):
+            for generator, state in zip(generators, states):
+                generator.set_state(state)
+
+
+def _generators(loader: Any) -> list[torch.Generator]:
+    """The generators a loader draws from: its own (each iterator's base seed) and its
+    sampler's (the shuffling), each once."""
+    found: list[torch.Generator] = []
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for owner in (loader, loader.sampler, getattr(batch_sampler, "sampler", None)):
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+            found.append(generator)
+    return found
+
+
+def _has_state(loader: Any) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
+    )
 
 
 class SaveOnPreemption(Callback):
@@ -322,6 +439,7 @@ def _decode(value: Any) -> Any:
 
 
 __all__ = [
+    "InexactResumeWarning",
     "ResumableRNG",
     "SaveOnPreemption",
     "ShardpointCheckpointIO",
