@@ -234,3 +234,44 @@ def test_a_finished_run_started_again_trains_no_further_step(tmp_path, reference
     assert steps_run(run) == list(range(1, 41))
     assert not (_checkpoints(run) / "step-000000041").exists()
     assert _weights(run) == _weights(reference)
+
+
+# examples/hf_trainer_resume.py with TrainingArguments(gradient_accumulation_steps=2).
+_ACCUMULATING = """
+import runpy, sys, transformers
+init = transformers.TrainingArguments.__init__
+def accumulating(self, *args, **kwargs):
+    kwargs.setdefault("gradient_accumulation_steps", 2)
+    init(self, *args, **kwargs)
+transformers.TrainingArguments.__init__ = accumulating
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _run_accumulating(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    import os
+    import sys
+
+    from example_runs import EXAMPLES
+
+    script = [str(EXAMPLES / "hf_trainer_resume.py"), "--run-dir", str(run_dir), "--steps", "20"]
+    return subprocess.run(
+        [sys.executable, "-c", _ACCUMULATING, *script, *extra],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+def test_a_killed_run_with_gradient_accumulation_resumes_bit_identical(tmp_path_factory):
+    """Two micro-batches per step, 13 batches per epoch (an epoch ends inside a step):
+    killed after step 12 (newest checkpoint: step 10, in the second epoch), resumed."""
+    reference, run = tmp_path_factory.mktemp("accum-ref"), tmp_path_factory.mktemp("accum")
+    done = _run_accumulating(reference)
+    assert done.returncode == 0, done.stderr
+    assert _run_accumulating(run, "--crash-at", "12").returncode == -signal.SIGKILL
+    before = len(steps_run(run))
+    resumed = _run_accumulating(run)
+    assert resumed.returncode == 0, resumed.stderr
+    assert steps_run(run)[before] == 11  # from the checkpoint of step 10
+    assert losses(run) == losses(reference)  # each step's last micro-batch
+    assert _weights(run) == _weights(reference)

@@ -71,7 +71,9 @@ def _fit(argv: list[str]) -> int:
             sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.7)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    data = torch.utils.data.TensorDataset(torch.randn(96, 9, generator=torch.Generator().manual_seed(1)))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(96, 9, generator=torch.Generator().manual_seed(1))
+    )
     kind = StatefulDataLoader if args.loader.startswith("stateful") else torch.utils.data.DataLoader
     generator = torch.Generator().manual_seed(2) if args.loader.endswith("-gen") else None
     loader = kind(data, batch_size=8, shuffle=True, generator=generator)

@@ -16,10 +16,13 @@ whole. ``ckpt_path="last"`` finds it as it finds a file.
 Lightning does not checkpoint the random number generators: ``ResumableRNG`` (a
 callback) saves every rank's Python, NumPy and torch streams and restores each rank's
 own when training starts again, so dropout and anything else drawn from them continue
-exactly. Lightning stops on SIGTERM without saving (and exits with status 0):
-``SaveOnPreemption`` saves ``last.ckpt`` at the end of the step and exits with 143. The
-data position is Lightning's own: give it a ``torchdata`` ``StatefulDataLoader`` (with
-the sampler owning a seeded generator) and a resumed fit continues at the next batch.
+exactly; it saves the train loader's generators too (its own and its sampler's), and
+on an epoch's last batch restores everything just before the resumed fit makes the next
+epoch's iterator. A plain ``DataLoader`` resumed mid-epoch is restarted at the epoch's
+first batch by Lightning: ``InexactResumeWarning``. Lightning stops on SIGTERM without
+saving (and exits with status 0): ``SaveOnPreemption`` saves ``last.ckpt`` at the end of
+the step and exits with 143. The data position is Lightning's own: give it a
+``torchdata`` ``StatefulDataLoader`` and a resumed fit continues at the next batch.
 
 ``ShardpointCheckpointIO`` serves one process and strategies whose rank 0 writes the
 whole checkpoint (DDP). Sharded training (FSDP2, tensor parallelism) saves without
