@@ -23,6 +23,13 @@ or ``fresh start``. Files written under ``--run-dir`` by rank R:
 Fault injection on the node it is given to (every process of that launch):
 ``--fail-uploads`` makes every write to the object store raise OSError("injected upload
 failure"); ``--kill-during-upload N`` SIGKILLs the process at its N-th such write.
+
+Preemption (tests/test_preemption_grace.py, which launches the ranks directly, as
+``srun`` does): ``--preemption-signal USR1`` and ``--grace S`` configure the manager,
+``--memory-every N`` adds the memory tier, ``--slow-disk S`` makes every disk save take
+S seconds longer, ``--step-sleep S`` slows each step so that a signal lands mid-run.
+A preempted rank writes ``preempted.rank{R}.json`` (the step, the exit code) and exits
+with the manager's exit code.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import json
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -41,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardpoint
-from shardpoint import RemoteTier, RetentionPolicy, SavePolicy
+from shardpoint import MemoryTierOptions, RemoteTier, RetentionPolicy, SavePolicy
 
 IN, HIDDEN, OUT = 64, 256, 64  # ~99k parameters; 256 rows shard unevenly on 3 ranks
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4 ranks
@@ -132,6 +140,20 @@ def inject_object_store_faults(fail: bool, kill_at: int | None) -> None:
             setattr(ObjectStoreDirectory, method, patched(original))
 
 
+def slow_down_disk_saves(seconds: float) -> None:
+    """Every synchronous save's writes take ``seconds`` longer (a slow disk); the memory
+    tier's saves (staged, then written in the background) do not."""
+    from shardpoint import saving
+
+    real = saving.write_from_memory
+
+    def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    saving.write_from_memory = slow
+
+
 def write_json(path: Path, doc: dict) -> None:
     path.write_text(json.dumps(doc, sort_keys=True))
 
@@ -139,7 +161,7 @@ def write_json(path: Path, doc: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--local-dir", required=True)
-    p.add_argument("--remote", required=True)
+    p.add_argument("--remote", default=None)
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--save-every", type=int, default=2)
@@ -147,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-wait-uploads", action="store_true")
     p.add_argument("--fail-uploads", action="store_true")
     p.add_argument("--kill-during-upload", type=int, default=None, metavar="N")
+    p.add_argument("--preemption-signal", default=None, metavar="NAME")
+    p.add_argument("--grace", type=float, default=None, metavar="S")
+    p.add_argument("--memory-every", type=int, default=None, metavar="N")
+    p.add_argument("--slow-disk", type=float, default=0.0, metavar="S")
+    p.add_argument("--step-sleep", type=float, default=0.0, metavar="S")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)  # the same kernels and reduction order in every run
@@ -155,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     args.run_dir.mkdir(parents=True, exist_ok=True)
     if args.fail_uploads or args.kill_during_upload is not None:
         inject_object_store_faults(args.fail_uploads, args.kill_during_upload)
+    if args.slow_disk:
+        slow_down_disk_saves(args.slow_disk)
+    signals = (getattr(signal, f"SIG{args.preemption_signal}"),) if args.preemption_signal else ()
 
     model, opt = build(world, args.seed)
     state = shardpoint.TrainState(model=model, optimizer=opt)
@@ -162,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         args.local_dir,
         policy=SavePolicy(every_n_steps=args.save_every),
         retention=RetentionPolicy(keep_last=2),
-        remote=RemoteTier(args.remote, RetentionPolicy(keep_last=5)),
-        preemption_signals=(),
+        remote=RemoteTier(args.remote, RetentionPolicy(keep_last=5)) if args.remote else None,
+        memory=MemoryTierOptions(args.memory_every) if args.memory_every else None,
+        preemption_signals=signals,
+        preemption_grace_seconds=args.grace,
     )
     start = manager.restore(state) or 0
     if start:
@@ -183,6 +215,14 @@ def main(argv: list[str] | None = None) -> int:
             losses.flush()
             state.step = step
             manager.maybe_save(step, state)
+            if manager.should_stop:
+                manager.close()
+                doc = {"step": step, "exit_code": manager.exit_code}
+                write_json(args.run_dir / f"preempted.rank{rank}.json", doc)
+                losses.close()
+                sys.stdout.flush()
+                os._exit(manager.exit_code)  # gloo's teardown skipped, as below
+            time.sleep(args.step_sleep)
 
     flushed = None if args.no_wait_uploads else manager.wait_for_uploads(timeout=120)
     manager.close()

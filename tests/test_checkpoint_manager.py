@@ -404,7 +404,7 @@ def test_a_preemption_signal_forces_a_save_and_sets_should_stop(tmp_path):
         signal.raise_signal(signal.SIGUSR1)
         assert m.preempted and not m.should_stop
         assert m.maybe_save(4, _state(4))
-        assert m.should_stop and m.exit_code == 128 + signal.SIGUSR1
+        assert m.should_stop and m.exit_code == 143  # whichever signal announced it
         assert m.steps() == [4]
     finally:
         m.close()

@@ -84,7 +84,9 @@ def _reference(skip_after: int, skip: int, steps: int, world: int = 1, rank: int
 
 def test_a_rollback_with_skipped_batches_resumes_as_a_run_that_never_saw_them(tmp_path):
     model, opt, loader, state = _job()
-    manager = CheckpointManager(tmp_path / "run", SavePolicy(every_n_steps=2), RetentionPolicy(None))
+    manager = CheckpointManager(
+        tmp_path / "run", SavePolicy(every_n_steps=2), RetentionPolicy(None)
+    )
     losses = _train(model, opt, loader, state, 18, manager)
     assert float.fromhex(losses[15]) > 1e6  # the spike: steps 15-18 read samples 28-35
     with pytest.warns(UserWarning, match="rollback went back past"):
@@ -134,7 +136,7 @@ def test_the_command_line_rollback_is_applied_by_the_next_start_and_survives_req
     assert cli(["rollback", str(run), "--to", "14", "--skip-batches", "4"]) == 0
     assert cli(["rollback", str(run), "--to", "14", "--skip-batches", "4"]) == 0  # once only
     assert len(read_rollbacks(CheckpointManager(run).tier.storage)) == 1
-    for attempt in range(2):  # a crash before the first save after the rollback
+    for _attempt in range(2):  # a crash before the first save after the rollback
         model, opt, loader, state = _job()
         job = CheckpointManager(run, SavePolicy(every_n_steps=2), RetentionPolicy(None))
         assert job.restore(state) == 14

@@ -51,6 +51,7 @@ RESTART = (
 BACKGROUND = "tests/test_save_plan_cache.py::"
 MANAGER = "tests/test_checkpoint_manager.py::"
 ROLLBACK = "tests/test_rollback.py::"
+GRACE = "tests/test_preemption_grace.py::"
 MUTATIONS = [
     Mutation(
         "marker before index",
@@ -1394,6 +1395,38 @@ MUTATIONS = [
         "        _, first = dist.worst_error(mine, 0)\n",
         "        first = mine\n",
         (ROLLBACK + "test_nan_on_one_rank_is_refused_on_every_rank_and_no_tier_takes_it",),
+    ),
+    Mutation(
+        "preemption ignores the grace",
+        "a short grace: the final save goes to memory and exits in time",
+        "src/shardpoint/training/manager.py",
+        "        short = needed > left\n",
+        "        short = False\n",
+        (
+            GRACE
+            + "test_a_grace_shorter_than_a_disk_save_saves_to_memory_and_the_restart_restores_it",
+            GRACE + "test_sigusr1_with_a_short_grace_on_2_nodes_saves_to_memory_exits_143_and_"
+            "resumes_exactly",
+        ),
+    ),
+    Mutation(
+        "grace decided per rank",
+        "a short grace: every rank saves to the same tier",
+        "src/shardpoint/training/manager.py",
+        "            short = bool(dist.max_of([int(short)])[0])\n",
+        "            short = short and dist.rank() == 0\n",
+        (
+            GRACE + "test_sigusr1_with_a_short_grace_on_2_nodes_saves_to_memory_exits_143_and_"
+            "resumes_exactly",
+        ),
+    ),
+    Mutation(
+        "preemption to memory without the buddies",
+        "a short grace: the memory copy is complete before the exit",
+        "src/shardpoint/training/manager.py",
+        "            self.memory.wait()  # this node's copy and the buddies' replicas complete\n",
+        "            pass\n",
+        (GRACE + "test_a_memory_save_that_fails_at_preemption_falls_back_to_the_disk",),
     ),
 ]
 

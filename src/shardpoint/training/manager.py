@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from functools import partial
 from typing import Any
 
@@ -145,8 +145,12 @@ class CheckpointManager:
     ...         raise SystemExit(manager.exit_code)
 
     ``policy`` says when to save (``SavePolicy``), ``retention`` what to keep
-    (``RetentionPolicy``). ``preemption_signals`` (default SIGTERM) make the next
-    ``maybe_save`` save at once and then set ``should_stop``.
+    (``RetentionPolicy``). ``preemption_signals`` (default SIGTERM; Slurm's
+    ``--signal=USR1@N`` sends SIGUSR1) make the next ``maybe_save`` save at once and
+    then set ``should_stop``. ``preemption_grace_seconds``: the time the scheduler leaves
+    between the signal and SIGKILL (one number, or one per signal); when what is left of
+    it is shorter than a disk save takes (the last one measured), the final save goes to
+    the memory tier only (docs/training.md, "Schedulers").
 
     ``directory`` may be an object-store URL, and may be node-local (the same path on
     every node, different disks: found out at start, docs/storage.md). With
@@ -179,6 +183,7 @@ class CheckpointManager:
         async_save: bool | AsyncOptions = False,
         io: IOOptions | None = None,
         preemption_signals: Iterable[int] = (signal.SIGTERM,),
+        preemption_grace_seconds: float | Mapping[int, float] | None = None,
         incremental: bool = False,
         on_event: Iterable[Callable[[dict[str, Any]], None]] = (),
     ) -> None:
@@ -192,6 +197,13 @@ class CheckpointManager:
                 f"{remote.url}: RemoteTier(compress=True) needs an object-store URL (s3://...)"
             )
         asynchronous = AsyncOptions() if async_save is True else async_save or None
+        graces = (
+            preemption_grace_seconds.values()
+            if isinstance(preemption_grace_seconds, Mapping)
+            else [preemption_grace_seconds]
+        )
+        if any(g is not None and g <= 0 for g in graces):
+            raise ValueError("preemption_grace_seconds must be positive (or None: no budget)")
         if policy.continuous and asynchronous is None:
             raise ValueError("SavePolicy(continuous=True) needs async_save")
         storage_options = io.storage_options or None
@@ -238,7 +250,11 @@ class CheckpointManager:
         # could be used ("unusable"), or an explicit older step was restored ("superseded").
         self._passed_over: dict[int, tuple[set[str], str]] = {}
         self._last_save = time.monotonic()
+        self.preemption_grace_seconds = preemption_grace_seconds
         self._signal: int | None = None
+        self._signal_time: float | None = None  # when this rank learned of the signal
+        self._disk_save_seconds: float | None = None  # the last disk save's, start to commit
+        self._memory_step: int | None = None  # the newest step handed to the memory tier
         self._preempting = False  # the latest save decision's, agreed by every rank
         self._stop = False
         self._previous_handlers: dict[int, Any] = {}
@@ -649,7 +665,7 @@ class CheckpointManager:
             # different times: agree in one reduction.
             signal_seen, due_by_time, busy = dist.max_of([signal_seen, int(due_by_time), int(busy)])
             if signal_seen and self._signal is None:
-                self._signal = signal_seen
+                self._learn_signal(signal_seen)
         self._preempting = bool(signal_seen)
         if signal_seen:
             return True
@@ -715,6 +731,7 @@ class CheckpointManager:
                 self._log("memory_save_failed", step=step, error=str(error))
 
         stall.append(self.memory.save(step, state, on_done=on_done))
+        self._memory_step = step
 
     def save(
         self, step: int, state: Any, *, force: bool = False, metrics: dict[str, float] | None = None
@@ -741,6 +758,9 @@ class CheckpointManager:
             self._preempting = self._agreed_preemption()
         path = self.path_for(step)
         preempting = self._preempting
+        if preempting and self._final_save_to_memory(step, state):
+            self._after_save()
+            return None
         if self._saver is not None and (preempting or self._saving_to == path):
             try:
                 self.wait()  # the final save must not race the one in flight
@@ -792,6 +812,7 @@ class CheckpointManager:
     ) -> None:
         """Log a committed save, apply retention and start its upload (on the thread
         that committed it, on every rank)."""
+        self._disk_save_seconds = info.seconds
         self._log(
             "save",
             step=step,
@@ -829,7 +850,7 @@ class CheckpointManager:
         if dist.is_distributed():
             (seen,) = dist.max_of([seen])
             if seen and self._signal is None:
-                self._signal = seen
+                self._learn_signal(seen)
         return bool(seen)
 
     def _set_aside_passed_over(self) -> None:
@@ -950,7 +971,63 @@ class CheckpointManager:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only set a flag here: saving inside a signal handler could interrupt a save.
+        self._learn_signal(signum)
+
+    def _learn_signal(self, signum: int) -> None:
+        if self._signal is None:  # the grace runs from the first signal
+            self._signal_time = time.monotonic()
         self._signal = signum
+
+    def _final_save_to_memory(self, step: int, state: Any) -> bool:
+        """Collective, for a preemption save: whether it went to the memory tier (and
+        the buddies) because what is left of ``preemption_grace_seconds`` is shorter
+        than a disk save needs: the last disk save's duration (twice that while one is
+        still in flight), with a quarter more as a margin. Before any disk save was
+        measured, or without a memory tier, the disk is used (warned about when the
+        grace looks short)."""
+        grace = self.preemption_grace_seconds
+        if isinstance(grace, Mapping):
+            grace = grace.get(self._signal or 0)
+        if grace is None:
+            return False
+        since = time.monotonic() - (self._signal_time or time.monotonic())
+        left = grace - since
+        busy = self._saver is not None and self._saver.busy()
+        needed = 1.25 * (self._disk_save_seconds or 0.0) * (2 if busy else 1)
+        short = needed > left
+        if dist.is_distributed():  # every rank saves to the same tier
+            short = bool(dist.max_of([int(short)])[0])
+        budget = {
+            "grace_left_seconds": round(left, 3),
+            "disk_save_seconds": None if self._disk_save_seconds is None else round(needed, 3),
+        }
+        if not short:
+            return False
+        if self.memory is None:
+            warnings.warn(
+                f"preemption: {left:.1f} s of the grace left, a disk save needs about "
+                f"{needed:.1f} s and there is no memory tier: saving to disk anyway",
+                stacklevel=4,
+            )
+            self._log("preemption_save", step=step, tier="disk", **budget)
+            return False
+        try:
+            if self._memory_step != step:
+                self._to_memory(step, state)
+            self.memory.wait()  # this node's copy and the buddies' replicas complete
+        except CheckpointError as exc:  # the disk is the last chance left
+            warnings.warn(
+                f"preemption: the memory tier save failed ({exc}); saving to disk",
+                stacklevel=4,
+            )
+            return False
+        warnings.warn(
+            f"preemption: {left:.1f} s of the grace left, a disk save needs about "
+            f"{needed:.1f} s: step {step} saved to the memory tier (and its buddies) only",
+            stacklevel=4,
+        )
+        self._log("preemption_save", step=step, tier="memory", **budget)
+        return True
 
     @property
     def preempted(self) -> bool:
@@ -971,9 +1048,10 @@ class CheckpointManager:
 
     @property
     def exit_code(self) -> int:
-        """0, or 128 + the signal number after a preemption (143 for SIGTERM): the
-        convention schedulers and wrappers read as "terminated by a signal, requeue"."""
-        return 128 + self._signal if self._signal is not None else 0
+        """0, or 143 (128 + SIGTERM) after a preemption, whichever signal announced it
+        (SIGUSR1 too): the status schedulers, torchrun and Kubernetes read as
+        "terminated, requeue". The signal itself is in the event log (``preempted``)."""
+        return 128 + int(signal.SIGTERM) if self._signal is not None else 0
 
     def close(self, *, release_memory: bool = False) -> None:
         """Finish the background save in flight (raising its error) and restore the
