@@ -393,6 +393,30 @@ def test_delete_checkpoint_keeps_foreign_files(tmp_path):
     assert [p.name for p in (tmp_path / "c").iterdir()] == ["notes.txt"]
 
 
+def test_a_streak_of_diverged_saves_never_rotates_the_last_good_checkpoint_out(tmp_path):
+    """Losses that went to NaN/inf (the state still finite, so the NaN check passes):
+    keep_last=2 alone would keep only bad ones; the newest good one stays, also for a
+    later process that knows it only from its index."""
+    nan, inf = float("nan"), float("inf")
+    retention = RetentionPolicy(keep_last=2)  # keep_last_good=1 by default
+    m = _manager(tmp_path, retention=retention)
+    m.save(2, _state(2), force=True, metrics={"loss": 1.0})
+    m.save(4, _state(4), force=True, metrics={"loss": nan})
+    m.close()
+    later = _manager(tmp_path, retention=retention)
+    later.save(6, _state(6), force=True, metrics={"loss": inf})
+    later.save(8, _state(8), force=True, metrics={"loss": nan})
+    assert later.steps() == [2, 6, 8]
+    later.save(10, _state(10), force=True, metrics={"loss": 0.5})
+    assert later.steps() == [8, 10]
+    later.close()
+    without = _manager(tmp_path / "plain", retention=RetentionPolicy(keep_last=2, keep_last_good=0))
+    for step, loss in ((2, 1.0), (4, nan), (6, nan)):
+        without.save(step, _state(step), force=True, metrics={"loss": loss})
+    assert without.steps() == [4, 6]
+    without.close()
+
+
 def test_a_preemption_signal_forces_a_save_and_sets_should_stop(tmp_path):
     m = CheckpointManager(
         tmp_path / "ckpts",

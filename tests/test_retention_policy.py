@@ -62,3 +62,18 @@ def test_invalid_policies_are_refused_with_what_to_do():
     with pytest.raises(ValueError) as exc:
         RetentionPolicy(mode="median")
     assert str(exc.value) == "mode must be 'min' or 'max'"
+
+
+def test_keep_last_good_keeps_the_newest_good_ones_behind_a_bad_streak():
+    policy = RetentionPolicy(keep_last=2, keep_last_good=1)
+    good = {1: True, 2: True, 3: False, 4: False}
+    kept = policy.keep([KeptCheckpoint(s, None, good[s]) for s in good])
+    assert kept == {2, 3, 4}
+    assert RetentionPolicy(keep_last=2, keep_last_good=None).keep(
+        [KeptCheckpoint(s, None, good[s]) for s in good]
+    ) == {3, 4}
+
+
+def test_keep_last_good_must_not_be_negative():
+    with pytest.raises(ValueError, match="keep_last_good"):
+        RetentionPolicy(keep_last_good=-1)

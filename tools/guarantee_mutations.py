@@ -1428,6 +1428,41 @@ MUTATIONS = [
         "            pass\n",
         (GRACE + "test_a_memory_save_that_fails_at_preemption_falls_back_to_the_disk",),
     ),
+    Mutation(
+        "retention forgets the last good one",
+        "a streak of diverged saves keeps the last good checkpoint",
+        "src/shardpoint/training/retention.py",
+        "            kept |= set(good[-self.keep_last_good :])\n",
+        "            pass\n",
+        (
+            "tests/test_checkpoint_manager.py::"
+            "test_a_streak_of_diverged_saves_never_rotates_the_last_good_checkpoint_out",
+            "tests/test_retention_policy.py::"
+            "test_keep_last_good_keeps_the_newest_good_ones_behind_a_bad_streak",
+        ),
+    ),
+    Mutation(
+        "every save recorded as good",
+        "a streak of diverged saves keeps the last good checkpoint",
+        "src/shardpoint/training/manager.py",
+        '        metadata = {"step": step, "metrics": metrics, "good": finite}\n',
+        '        metadata = {"step": step, "metrics": metrics, "good": True}\n',
+        (
+            "tests/test_checkpoint_manager.py::"
+            "test_a_streak_of_diverged_saves_never_rotates_the_last_good_checkpoint_out",
+        ),
+    ),
+    Mutation(
+        "the step just saved taken as good",
+        "a streak of diverged saves keeps the last good checkpoint",
+        "src/shardpoint/training/manager.py",
+        "            if step == saved and saved_good or step != saved and self._good(step):\n",
+        "            if step == saved or self._good(step):\n",
+        (
+            "tests/test_checkpoint_manager.py::"
+            "test_a_streak_of_diverged_saves_never_rotates_the_last_good_checkpoint_out",
+        ),
+    ),
 ]
 
 

@@ -779,9 +779,12 @@ class CheckpointManager:
         if committed:
             self._after_save()
             return None
-        metrics = _plain_metrics(metrics)
-        metadata = {"step": step, "metrics": metrics}
+        metrics, finite = _plain_metrics(metrics)
+        # Known good: the NaN check passed (when on) and no metric diverged; retention
+        # keeps the newest ones whatever came after (RetentionPolicy.keep_last_good).
+        metadata = {"step": step, "metrics": metrics, "good": finite}
         reason = "preemption" if preempting else "interval"
+        outcome = (metrics, reason, finite)
         if self._saver is None or preempting:
             io = self.io
             options = SaveOptions(
@@ -789,13 +792,13 @@ class CheckpointManager:
             )
             info = run_save(state, open_storage(path, self.tier.options), options)
             assert isinstance(info, SaveInfo)
-            self._committed(step, info, metrics, reason)
+            self._committed(step, info, *outcome)
             self._after_save()
             return info
 
         def on_done(info: SaveInfo | None, error: BaseException | None) -> None:
             if info is not None:
-                self._committed(step, info, metrics, reason)
+                self._committed(step, info, *outcome)
             else:
                 self._log("save_failed", step=step, path=str(path), error=str(error))
 
@@ -808,7 +811,7 @@ class CheckpointManager:
         return handle
 
     def _committed(
-        self, step: int, info: SaveInfo, metrics: dict[str, float] | None, reason: str
+        self, step: int, info: SaveInfo, metrics: dict[str, Any], reason: str, good: bool
     ) -> None:
         """Log a committed save, apply retention and start its upload (on the thread
         that committed it, on every rank)."""
@@ -827,7 +830,7 @@ class CheckpointManager:
         )
         if self._keeps_local:
             try:
-                self._apply_retention(step)
+                self._apply_retention(step, good)
             except (OSError, CheckpointError) as exc:  # the save itself stands
                 self._cannot_delete(None, exc)
         if self._uploader is not None:
@@ -904,28 +907,48 @@ class CheckpointManager:
         )
         self.events.write("set_aside", step=step, path=where, tier=name, why=why)
 
-    def _apply_retention(self, saved: int) -> None:
+    def _apply_retention(self, saved: int, saved_good: bool) -> None:
         """Apply the policy after the save of step ``saved``, which is always kept: a
         higher step (a damaged checkpoint, an earlier run's) is not newer than it."""
         candidates, unreadable = [], set()
-        for step in self.steps():
+        steps = self.steps()
+        # Known-good ones, newest first, only as far back as the policy needs: after a
+        # good save that is the saved step itself, and no index is read.
+        good, wanted = set(), self.retention.keep_last_good or 0
+        for step in reversed(steps):
+            if len(good) >= wanted:
+                break
+            if step == saved and saved_good or step != saved and self._good(step):
+                good.add(step)
+        for step in steps:
             metric = None
             if self.retention.best_metric:
                 try:
-                    # Index only: a node-local copy names files on other nodes' disks.
-                    ckpt = open_committed(self.tier.open(step), every_file=False)
-                    metrics = ckpt.index.metadata.get("metrics", {})
+                    metrics = self._index_metadata(step).get("metrics", {})
                     metric = metrics.get(self.retention.best_metric)
                 except CheckpointError as exc:
                     if isinstance(exc.__cause__, OSError):  # could not be read: its metric
                         unreadable.add(step)  # is unknown, so it is not deleted on a guess
                     # An invalid index: no metric, kept or dropped by the other rules.
-            candidates.append(KeptCheckpoint(step, metric))
+            candidates.append(KeptCheckpoint(step, metric, step in good))
         keep = self.retention.keep(candidates) | {saved} | unreadable
         uploading = self._uploader.busy_step if self._uploader is not None else None
         if uploading is not None:
             keep.add(uploading)
         self._delete_all_but(self.tier, [c.step for c in candidates], keep)
+
+    def _index_metadata(self, step: int) -> dict[str, Any]:
+        # Index only: a node-local copy names files on other nodes' disks.
+        ckpt = open_committed(self.tier.open(step), every_file=False)
+        return dict(ckpt.index.metadata)
+
+    def _good(self, step: int) -> bool:
+        """Whether ``step`` was saved known good (``metadata["good"]``); an unreadable
+        index, or a checkpoint saved without the flag, is not known good."""
+        try:
+            return self._index_metadata(step).get("good") is True
+        except CheckpointError:
+            return False
 
     def _apply_remote_retention(self, uploaded: int) -> None:
         """Remote retention after the upload of step ``uploaded``, which is always kept."""
@@ -1084,13 +1107,15 @@ class CheckpointManager:
 _UNUSABLE, _FAILED, _MISMATCH = 0, 1, 2
 
 
-def _plain_metrics(metrics: dict[str, Any] | None) -> dict[str, Any]:
-    """Metrics as JSON values: a number, 0-d tensor or NumPy scalar as its float, NaN
-    and infinity (a diverged loss) as None, which retention reads as unknown; anything
-    else as given (a string stays one). Never raises: metrics may differ per rank, and
-    a rank failing here alone would leave the others in the save's collectives (the
-    save refuses, on every rank, what JSON cannot hold)."""
+def _plain_metrics(metrics: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    """Metrics as JSON values, and whether every number among them was finite: a
+    number, 0-d tensor or NumPy scalar as its float, NaN and infinity (a diverged loss)
+    as None, which retention reads as unknown; anything else as given (a string stays
+    one). Never raises: metrics may differ per rank, and a rank failing here alone would
+    leave the others in the save's collectives (the save refuses, on every rank, what
+    JSON cannot hold)."""
     out: dict[str, Any] = {}
+    finite = True
     for name, value in (metrics or {}).items():
         if value is None or isinstance(value, (str, bool)):
             out[str(name)] = value
@@ -1101,7 +1126,8 @@ def _plain_metrics(metrics: dict[str, Any] | None) -> dict[str, Any]:
             out[str(name)] = value
             continue
         out[str(name)] = number if math.isfinite(number) else None
-    return out
+        finite = finite and math.isfinite(number)
+    return out, finite
 
 
 def _directory_per_node(storage: CheckpointStorage) -> bool:
