@@ -40,11 +40,32 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
     os._exit(0)
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; re-raise failures."""
-    mp.start_processes(
-        _entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, start_method="spawn"
+RUN_RANKS_TIMEOUT = 300.0  # seconds: the slowest test using it takes well under a minute
+
+
+def run_ranks(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = RUN_RANKS_TIMEOUT
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; re-raise failures.
+    Ranks still running after ``timeout`` seconds are killed and the test fails: a hang
+    (one rank left alone in a collective) is a defect, reported as one."""
+    context = mp.start_processes(
+        _entry,
+        args=(world_size, _free_port(), fn, args),
+        nprocs=world_size,
+        start_method="spawn",
+        join=False,
     )
+    deadline = time.monotonic() + timeout
+    while not context.join(max(deadline - time.monotonic(), 0.1)):
+        if time.monotonic() >= deadline:
+            alive = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(
+                f"ranks {alive} of {world_size} still running after {timeout:.0f} s: a hang"
+            )
 
 
 @dataclass(frozen=True)
