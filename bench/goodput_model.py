@@ -73,9 +73,12 @@ The CLI, ``--campaign FILE.json`` (the schema of bench/bench_goodput.py, checked
              precision with Adam (~16 bytes a parameter) over 16,384 GPUs is
              405e9 * 16 / 16384 = 0.4 GB; 1 GB leaves room for larger models or fewer
              shards, within the 1 MB to 4 GB per GPU Llama 3 reports (section 3.3.1).
-    stall    the campaign's stall per byte times the state: a save stalls the loop for
-             a copy of its own bytes; pessimistic when a small campaign's stall is
-             mostly fixed cost.
+    stall    state / --stall-gb-per-s: an async save stalls the loop for a copy of its
+             own bytes into the staging pool. Defaults measured on this project's 2-core
+             machine (docs/benchmarks.md): memory tier 9.25 GB/s, async disk save
+             9.32 GB/s; the remote tier stalls nothing (uploads start from the committed
+             local copy). Not the campaign's own stall per byte: its state is a few
+             hundred KB per rank, so its stall is fixed cost, not bandwidth.
     persist, restore  state / throughput of the tier. Throughput per rank: --gb-per-s
              if given, else the campaign's measured gb_per_s, else assumed defaults
              (memory 5 GB/s: a copy to host memory and across a 400 Gb/s NIC per GPU;
@@ -132,6 +135,8 @@ DEFAULT_RESTART_S = {
     "store_stall": 0.0,  # training goes on
 }
 DEFAULT_GB_PER_S = {"memory": 5.0, "local": 1.0, "remote": 1.0}
+# Per-rank stall throughput at scale (None: the tier never stalls the loop).
+DEFAULT_STALL_GB_PER_S: dict[str, float | None] = {"memory": 9.25, "local": 9.32, "remote": None}
 DEFAULT_REMOTE_AGGREGATE_GB_PER_S = 2000.0
 DEFAULT_STATE_GB_PER_RANK = 1.0
 DEFAULT_DURABILITY_INTERVAL_S = HOUR
@@ -409,6 +414,7 @@ def campaign_failures(campaign: dict) -> list[FailureKind]:
 class ScaleOptions:
     state_gb_per_rank: float
     gb_per_s: dict[str, float]  # per rank, before the remote's aggregate cap
+    stall_gb_per_s: dict[str, float | None]  # per rank; None: no stall
     remote_aggregate_gb_per_s: float
     restart_s: dict[str, float]
     mix: dict[str, float]  # kind -> share of the job's failures
@@ -423,9 +429,10 @@ def scale_costs(campaign: dict, gpus: int, options: ScaleOptions) -> Costs:
         gb_per_s = options.gb_per_s[tier]
         if tier == "remote":  # every rank writes to the one object store at once
             gb_per_s = min(gb_per_s, options.remote_aggregate_gb_per_s / gpus)
-        stall_per_gb = campaign["tiers"][tier]["stall_s"] / (campaign["state_bytes_per_rank"] / 1e9)
+        stall_gb_per_s = options.stall_gb_per_s[tier]
+        stall_s = state_gb / stall_gb_per_s if stall_gb_per_s else 0.0
         transfer_s = state_gb / gb_per_s
-        tiers[tier] = TierCosts(stall_per_gb * state_gb, restore_s=transfer_s, persist_s=transfer_s)
+        tiers[tier] = TierCosts(stall_s, restore_s=transfer_s, persist_s=transfer_s)
     return Costs(options.step_seconds, tiers)
 
 
@@ -503,6 +510,8 @@ def scale_options(args: argparse.Namespace, campaign: dict) -> ScaleOptions:
         gb_per_s=DEFAULT_GB_PER_S
         | measured
         | _pairs(args.gb_per_s, TIERS, "--gb-per-s", zero_ok=False),
+        stall_gb_per_s=DEFAULT_STALL_GB_PER_S
+        | _pairs(args.stall_gb_per_s, TIERS, "--stall-gb-per-s", zero_ok=False),
         remote_aggregate_gb_per_s=args.remote_aggregate_gb_per_s,
         restart_s=DEFAULT_RESTART_S
         | _pairs(args.restart_s, FAILURE_KINDS, "--restart-s", zero_ok=True),
@@ -576,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--campaign", required=True, help="a bench/bench_goodput.py result")
     parser.add_argument("--state-gb-per-rank", type=_number, default=DEFAULT_STATE_GB_PER_RANK)
     parser.add_argument("--gb-per-s", default="", help="per-rank TIER=GB/s,... (over the file)")
+    parser.add_argument(
+        "--stall-gb-per-s", default="", help="per-rank TIER=GB/s,... the loop stalls at"
+    )
     parser.add_argument(
         "--remote-aggregate-gb-per-s", type=_number, default=DEFAULT_REMOTE_AGGREGATE_GB_PER_S
     )

@@ -27,9 +27,12 @@ failure"); ``--kill-during-upload N`` SIGKILLs the process at its N-th such writ
 Preemption (tests/test_preemption_grace.py, which launches the ranks directly, as
 ``srun`` does): ``--preemption-signal USR1`` and ``--grace S`` configure the manager,
 ``--memory-every N`` adds the memory tier, ``--slow-disk S`` makes every disk save take
-S seconds longer, ``--step-sleep S`` slows each step so that a signal lands mid-run.
-A preempted rank writes ``preempted.rank{R}.json`` (the step, the exit code) and exits
-with the manager's exit code.
+S seconds longer, ``--step-sleep S`` adds S seconds of "compute" to each step (a signal
+lands mid-run; bench/bench_goodput.py's stand-in for GPU time). A preempted rank writes
+``preempted.rank{R}.json`` (the step, the exit code) and exits with the manager's exit
+code. ``--timeline``: rank 0 appends to ``timeline.jsonl`` when it starts, what it
+restored, and each step's start, compute end and save end (wall clock), for the goodput
+campaign.
 """
 
 from __future__ import annotations
@@ -174,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-every", type=int, default=None, metavar="N")
     p.add_argument("--slow-disk", type=float, default=0.0, metavar="S")
     p.add_argument("--step-sleep", type=float, default=0.0, metavar="S")
+    p.add_argument("--timeline", action="store_true")
     args = p.parse_args(argv)
+    started = time.time()
 
     torch.set_num_threads(1)  # the same kernels and reduction order in every run
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -198,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         preemption_grace_seconds=args.grace,
     )
     start = manager.restore(state) or 0
+    timeline = None
+    if args.timeline and dist.get_rank() == 0:
+        timeline = open(args.run_dir / "timeline.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        doc = {"started": started, "restored": start, "ready": time.time()}
+        timeline.write(json.dumps(doc) + "\n")
+        timeline.flush()
     if start:
         restored = {"step": start, "world_size": world, **digests(model, opt)}
         write_json(args.run_dir / f"restored.rank{rank}.json", restored)
@@ -206,15 +217,22 @@ def main(argv: list[str] | None = None) -> int:
 
     with open(args.run_dir / f"losses.rank{rank}.jsonl", "a", encoding="utf-8") as losses:
         for step in range(start + 1, args.steps + 1):
+            t0 = time.time()
             x, y = batch(args.seed, step, rank, world)
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            time.sleep(args.step_sleep)
             losses.write(json.dumps({"step": step, "loss": loss.item().hex()}) + "\n")
             losses.flush()
             state.step = step
+            t1 = time.time()
             manager.maybe_save(step, state)
+            if timeline is not None:
+                timeline.write(json.dumps({"step": step, "t0": t0, "t1": t1, "t2": time.time()}))
+                timeline.write("\n")
+                timeline.flush()
             if manager.should_stop:
                 manager.close()
                 doc = {"step": step, "exit_code": manager.exit_code}
@@ -222,7 +240,6 @@ def main(argv: list[str] | None = None) -> int:
                 losses.close()
                 sys.stdout.flush()
                 os._exit(manager.exit_code)  # gloo's teardown skipped, as below
-            time.sleep(args.step_sleep)
 
     flushed = None if args.no_wait_uploads else manager.wait_for_uploads(timeout=120)
     manager.close()

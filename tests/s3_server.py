@@ -1,6 +1,7 @@
 """A real S3-API server on 127.0.0.1 for the tests (moto's standalone server), and a
 proxy in front of it that counts the bytes it serves and can inject faults: 500/503
-responses and connections dropped without an answer."""
+responses, connections dropped without an answer, and stalls (every request held until
+the stall ends)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ def start_moto() -> tuple[object, str]:
     return server, f"http://{host}:{port}"
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:  # noqa: ANN001
+        """A client killed mid-request (a fault a test injected) resets its connection:
+        not worth a traceback; anything else is still printed."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)
+
+
 class FaultProxy:
     """HTTP proxy to ``upstream``. ``fault_rate`` of requests fail: half answered with
     500/503, half with the connection closed before any answer.
@@ -42,6 +53,8 @@ class FaultProxy:
         self.bytes_served = 0  # response bodies of GETs
         self.injected: Counter[str] = Counter()
         self.requests = 0
+        self.open = threading.Event()  # cleared while the store stalls
+        self.open.set()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -51,6 +64,7 @@ class FaultProxy:
                 pass
 
             def _handle(self) -> None:
+                proxy.open.wait()
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 with proxy.lock:
@@ -91,7 +105,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _QuietServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -100,6 +114,12 @@ class FaultProxy:
     def faults(self) -> int:
         """Faults injected so far, of every kind."""
         return sum(self.injected.values())
+
+    def stall(self, seconds: float) -> None:
+        """Hold every request for ``seconds`` from now (an object store that hangs),
+        without blocking the caller."""
+        self.open.clear()
+        threading.Timer(seconds, self.open.set).start()
 
     def _draw_fault(self) -> str | None:
         """The fault for the next request (called under ``lock``), or None."""
