@@ -42,6 +42,28 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # noqa
     _skip_as_failure(outcome.get_result())
 
 
+# ---- the fast lane stays fast -------------------------------------------------------------
+# ``pytest -m "not slow"`` is the local lane (README). A test not marked slow that takes
+# longer than FAST_LANE_SECONDS (setup, call and teardown) is named at the end of the
+# run, so that the next change marks it or makes it faster.
+
+FAST_LANE_SECONDS = 10.0
+_slow_unmarked: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "slow" not in report.keywords:
+        _slow_unmarked[report.nodeid] = _slow_unmarked.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest's reporter
+    over = {k: v for k, v in _slow_unmarked.items() if v > FAST_LANE_SECONDS}
+    if over:
+        terminalreporter.section("tests over the fast lane's budget, not marked slow")
+        for nodeid, seconds in sorted(over.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}  (mark it @pytest.mark.slow)")
+
+
 @pytest.fixture
 def ckpt_dir(tmp_path: Path) -> Path:
     return tmp_path / "ckpt"

@@ -224,6 +224,7 @@ def _async_save_then_die(url: str, env: dict) -> None:
     os._exit(0)  # never reached: the kill comes first
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_background_upload_never_commits_and_the_path_is_reusable(s3):
     parent = f"{s3['url']}/killed"
     url = f"{parent}/{STEP_1}"

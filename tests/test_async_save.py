@@ -349,6 +349,7 @@ def _two_rank_async(rank: int, world: int, root: str, fail_rank: int) -> None:
     assert_states_equal(loaded, rank_state(rank))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fail_rank", [-1, 1], ids=["both-finish", "rank-1-fails"])
 def test_two_rank_async_save_commits_only_when_both_ranks_finished(tmp_path, fail_rank):
     from distributed import run_ranks
@@ -386,6 +387,7 @@ def _two_savers_in_flight(rank: int, world: int, root: str) -> None:
         assert_states_equal(loaded, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names open files via /proc")
 def test_two_savers_with_saves_in_flight_at_once_commit_each_its_own(tmp_path):
     """Rank 0 reaches the commit of "a" first, rank 1 that of "b": on one shared group

@@ -67,6 +67,7 @@ def test_verify_of_a_mistyped_path_is_an_error_not_a_corrupt_checkpoint(tmp_path
         assert "no such checkpoint or directory" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_script_runs(ckpt_dir):
     _save(ckpt_dir)
     out = subprocess.run(

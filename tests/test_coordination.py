@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from distributed import count_received, run_ranks, run_ranks_outcomes
 
 WORLD = 4
@@ -25,6 +26,7 @@ def _first_error(rank: int, world: int, root: str) -> None:
     Path(root, f"rank{rank}.json").write_text(json.dumps([none, quiet, first, log[len(quiet) :]]))
 
 
+@pytest.mark.slow
 def test_first_error_gives_every_rank_the_lowest_failing_ranks_message_and_no_other(tmp_path):
     run_ranks(WORLD, _first_error, str(tmp_path))
     for rank in range(WORLD):

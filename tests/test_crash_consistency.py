@@ -372,6 +372,7 @@ def _run_child(root: Path, kill_at: int, mode: str) -> list[Record]:
     return records
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "points"),
     [
@@ -510,6 +511,7 @@ def _run_ranks(
     return {kill_rank: records}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_sigkill_of_one_rank_during_a_two_rank_save_never_exposes_a_partial_checkpoint(
     tmp_path, mode

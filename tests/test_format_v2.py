@@ -130,6 +130,7 @@ def saved_on_4(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_sharded_tensor_is_described_once_and_its_chunks_are_in_the_writers_fragments(
     saved_on_4,
 ):
@@ -164,6 +165,7 @@ def test_a_sharded_tensor_is_described_once_and_its_chunks_are_in_the_writers_fr
     assert shardpoint.verify(saved_on_4).ok
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 2])
 def test_saved_on_4_ranks_loads_bit_identical_on_fewer(saved_on_4, world):
     run_ranks(world, _load_on, str(saved_on_4))
@@ -269,6 +271,7 @@ def _fsdp_load(rank: int, world: int, path: str) -> None:
         assert torch.equal(value.full_tensor(), expected[name]), name
 
 
+@pytest.mark.slow
 def test_a_real_fsdp2_over_tp_model_saved_on_4_ranks_loads_on_2_and_on_1(tmp_path):
     path = tmp_path / "fsdp-tp"
     run_ranks(4, _fsdp_tp_save, str(path))
@@ -431,6 +434,7 @@ def _restore_rng(rank: int, world: int, path: str) -> None:
     assert torch.equal(torch.rand(4), torch.load(f"{path}-draw{rank}.pt")), rank
 
 
+@pytest.mark.slow
 def test_each_ranks_rng_streams_live_in_its_fragment_not_in_the_index(tmp_path):
     """TrainState's RNG streams (a set per rank, tensors included) go to the rank's
     fragment: the index holds one small reference per rank, and every rank gets its
@@ -470,6 +474,7 @@ def _strided_alone(rank: int, world: int, path: str) -> None:
         shardpoint.save({"w": strided}, path + "-strided")
 
 
+@pytest.mark.slow
 def test_a_strided_shard_that_is_not_one_block_is_refused_on_load_and_save(tmp_path):
     """``_StridedShard`` alone (no later Shard resolving it, unlike FSDP2 over TP above)
     holds rows 0, 1, 4, 5 of 8 on rank 0: loading it as the block at its offset put

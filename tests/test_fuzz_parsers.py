@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import shardpoint
@@ -16,6 +17,7 @@ TARGET = Path(__file__).resolve().parents[1] / "fuzz" / "fuzz_parsers.py"
 SECONDS = 30  # per CI run; a soak: python fuzz/fuzz_parsers.py -max_total_time=3600
 
 
+@pytest.mark.slow
 def test_parsers_survive_coverage_guided_fuzzing(tmp_path):
     ckpt = tmp_path / "ckpt"
     w = torch.arange(6.0).reshape(2, 3)

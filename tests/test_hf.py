@@ -139,6 +139,7 @@ def _train_and_save_fsdp(rank: int, world: int, path: str) -> None:
     shardpoint.save({"model": model, "step": 1}, path)
 
 
+@pytest.mark.slow
 def test_export_of_a_4_rank_fsdp2_checkpoint_loads_in_transformers_with_identical_logits(tmp_path):
     from distributed import run_ranks
     from huggingface_hub import load_torch_model
@@ -164,6 +165,7 @@ def test_export_of_a_4_rank_fsdp2_checkpoint_loads_in_transformers_with_identica
     assert torch.equal(logits(via_hub, TOKENS), logits(reference, TOKENS))
 
 
+@pytest.mark.slow
 def test_export_streams_tensor_by_tensor(tmp_path):
     """Peak RSS growth of an export (over the process after imports) stays below twice
     the largest tensor + 256 MiB, on a 1.1 GB state; measured in a fresh process."""
@@ -228,6 +230,7 @@ def _load_hf_on_two_ranks(rank: int, world: int, hf_dir: str, total: int) -> Non
         assert torch.equal(value.full_tensor(), reference[name]), name
 
 
+@pytest.mark.slow
 def test_load_hf_into_a_2_rank_fsdp2_model_reads_only_each_ranks_slices(tmp_path):
     from distributed import run_ranks
 

@@ -99,6 +99,7 @@ def _restore(rank: int, world: int, root: str, expect_from_buddy: list[int]) -> 
     manager.close()
 
 
+@pytest.mark.slow
 def test_a_replaced_node_restores_from_buddies_and_a_restart_from_its_own_memory(tmp_path):
     """...and no rank but rank 0 receives every rank's holdings to agree on the step."""
     from distributed import run_ranks
@@ -112,6 +113,7 @@ def test_a_replaced_node_restores_from_buddies_and_a_restart_from_its_own_memory
     run_ranks(4, _restore, root, [])
 
 
+@pytest.mark.slow
 def test_without_any_memory_the_disk_tier_is_used(tmp_path):
     from distributed import run_ranks
 
@@ -316,6 +318,7 @@ def _killed_during_the_background_write(root: str, kill_at: int) -> None:
     os._exit(0)  # only reached if the kill point was never hit
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_at", [1, 2])
 def test_sigkill_during_a_background_memory_save_never_exposes_a_partial_copy(tmp_path, kill_at):
     import multiprocessing
@@ -473,6 +476,7 @@ def _job_of_node_local_manager(rank: int, world: int, root: str, out: str) -> No
     manager.close()
 
 
+@pytest.mark.slow
 def test_the_memory_namespace_survives_rank_0_landing_on_a_replaced_node(tmp_path):
     """With node-local directories the run id is on every node's disk: when rank 0's
     node is replaced (its disk empty), the job keeps the namespace the other nodes'

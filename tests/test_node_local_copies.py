@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 import boto3
+import pytest
 import test_object_store
 import torch
 import torch.distributed as dist
@@ -203,6 +204,7 @@ def _restore_events(root: str) -> list[dict]:
 # ---- tests ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_each_node_holds_and_indexes_its_own_copy_and_restores_from_it_alone(tmp_path, s3):
     root, remote = _save(tmp_path, s3)
     shared_names = {f"model.{k}" for k in _shared()}
@@ -253,6 +255,7 @@ def test_each_node_holds_and_indexes_its_own_copy_and_restores_from_it_alone(tmp
     assert CheckpointTier(remote, None).step_dirs() == []  # it stayed deleted throughout
 
 
+@pytest.mark.slow
 def test_a_node_that_lost_its_disk_reads_from_the_remote_and_only_it_does(tmp_path, s3):
     root, remote = _save(tmp_path, s3)
     shutil.rmtree(_node_dir(root, 1))  # node 1 replaced: an empty local disk
@@ -333,6 +336,7 @@ def _steady_per_node_saves(rank: int, world: int, root: str) -> None:
     Path(root, f"received{rank}.json").write_text(json.dumps(log[before:]))
 
 
+@pytest.mark.slow
 def test_only_each_nodes_first_rank_receives_what_its_nodes_index_needs(tmp_path):
     """Rank 0 relays the index inputs (every rank's report, the tree, ...: O(ranks) per
     save) to the nodes' first ranks only: the other ranks of a node receive a few
@@ -366,6 +370,7 @@ def _relay(rank: int, world: int, root: str) -> None:
     Path(root, f"relay{rank}.json").write_text(json.dumps([value, log]))
 
 
+@pytest.mark.slow
 def test_the_relay_reaches_every_listed_rank_once_and_no_other(tmp_path):
     run_ranks(6, _relay, str(tmp_path))
     expected = {"rows": list(range(100)), "from": "rank 0"}
@@ -412,6 +417,7 @@ def _detect_directories(rank: int, world: int, root: str) -> None:
     Path(root, f"detect{rank}.json").write_text(json.dumps([own, shared, log]))
 
 
+@pytest.mark.slow
 def test_node_local_directories_are_told_from_a_shared_one_by_probes_alone(tmp_path):
     """Each node's first rank leaves a probe; only rank 0 receives every rank's facts
     (no all-gather), and no probe is left behind."""
@@ -447,6 +453,7 @@ def _background_per_node_saves(rank: int, world: int, root: str) -> None:
     saver.close()
 
 
+@pytest.mark.slow
 def test_a_background_per_node_save_whose_structure_changed_keeps_each_nodes_copy(tmp_path):
     """Background saves in per-node mode: at step 2 every rank gains a tensor, so the
     commit says *again*, each rank writes the rest of its node's copy from what it

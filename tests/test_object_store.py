@@ -126,6 +126,7 @@ def _save_two_ranks(rank: int, world: int, url: str) -> None:
     shardpoint.save(state, url)
 
 
+@pytest.mark.slow
 def test_two_ranks_save_to_s3_and_a_partial_load_reads_only_its_rows(s3, monkeypatch):
     from distributed import run_ranks
 
@@ -166,6 +167,7 @@ def _state_in_many_objects(seed: int) -> dict:
     return {**_state(seed), "pieces": pieces}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_saves_and_loads_survive_injected_500s_503s_and_dropped_connections(s3, monkeypatch, seed):
     proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"], fault_rate=FAULT_RATE, seed=seed)

@@ -71,6 +71,7 @@ def test_segments_that_overlap_each_get_their_bytes(tmp_path, monkeypatch, direc
 SIZES = [1, 50, 4095, 4096, 4097, 70_000, 1 << 20, (1 << 20) + 1, 17 << 20, (20 << 20) + 3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direct", [False, "cached", "uncached"])
 @pytest.mark.parametrize("seed", range(12))
 def test_any_overlapping_segments_each_get_their_bytes_and_one_report(

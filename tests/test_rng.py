@@ -71,6 +71,7 @@ def _load_streams_on_more_ranks(rank: int, world: int, path: str) -> None:
         assert drawn not in saved and drawn != fresh
 
 
+@pytest.mark.slow
 def test_rng_streams_saved_on_2_ranks_load_on_3(tmp_path):
     """A rank the saved run did not have takes saved rank ``rank % old``'s streams,
     reseeded; it used to fail with 'missing from the checkpoint: rng.2' (and, with

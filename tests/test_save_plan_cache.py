@@ -131,6 +131,7 @@ def received_on_2_and_4_ranks(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_what_a_rank_receives_per_unchanged_save_does_not_grow_with_the_ranks(
     received_on_2_and_4_ranks,
 ):
@@ -251,6 +252,7 @@ def _restarted_saves(rank: int, world: int, root: str, port: int, replaced: bool
         shardpoint.save(_state(rank, step, 5 if rank == 1 else 2), f"{root}/step{step}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replaced", [False, True], ids=["same-processes", "rank-1-replaced"])
 def test_a_process_group_initialized_again_in_the_same_processes_saves_with_a_new_plan(
     tmp_path, replaced

@@ -72,6 +72,7 @@ def saved(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("share", [False, True])
 def test_a_two_replica_two_shard_load_reads_each_byte_from_storage_once(saved, share):
     run_ranks(4, _load, str(saved), share)
@@ -121,6 +122,7 @@ def _load_layout(rank: int, world: int, path: str, layout: str, share: bool) -> 
     Path(f"{path}-read{rank}-{share}").write_text(json.dumps(counter[0]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_resharding_load_reads_each_stored_byte_once_when_sharing(tmp_path, layout):
     path = tmp_path / "ckpt"
@@ -282,6 +284,7 @@ def _load_rejected(rank: int, world: int, path: str) -> None:
         assert torch.equal(t.full_tensor() if hasattr(t, "full_tensor") else t, before[n]), n
 
 
+@pytest.mark.slow
 def test_a_load_that_fails_after_the_exchange_puts_every_received_piece_back(tmp_path):
     path = tmp_path / "ckpt"
     run_ranks(4, _save_with_stateful, str(path))
@@ -305,6 +308,7 @@ def _ddp_load_logged(rank: int, world: int, path: str) -> None:
     Path(f"{path}-calls{rank}").write_text(json.dumps(log))
 
 
+@pytest.mark.slow
 def test_planning_a_shared_load_sends_no_rank_every_ranks_needs(tmp_path):
     """No rank plans for all: under DDP every rank needs every chunk, and what the
     busiest rank receives to plan is about the same on 4 ranks as on 2 (rank 0 planning
@@ -373,6 +377,7 @@ def _check_one_reader_each(parts: list[list], keys: list[str]) -> list[int]:
     return [sum(item[0] == "read" for item in part) for part in parts]
 
 
+@pytest.mark.slow
 def test_every_shared_chunk_has_one_reader_and_the_reading_is_split():
     """DDP: 64 ranks need the same 1,000 chunks; each is read by exactly one of them,
     which hands every other rank its piece; the reading is split evenly although each

@@ -91,6 +91,7 @@ def _into_committed(rank: int, world: int, root: str, background: bool) -> None:
     _then(rank, root, f"{root}/step0", "committed", background)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("background", [False, True], ids=["save", "background"])
 def test_an_unchanged_save_into_a_committed_checkpoint_writes_nothing_there(tmp_path, background):
     """The committed checkpoint is refused by every rank before it writes a byte: rank 0
@@ -110,6 +111,7 @@ def _beside_another_writer(rank: int, world: int, root: str, background: bool) -
     _then(rank, root, f"{root}/busy", "busy", background)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("background", [False, True], ids=["save", "background"])
 def test_an_unchanged_save_beside_another_jobs_save_leaves_its_files_alone(tmp_path, background):
     """Another job is saving into the same directory (it holds the lock and has written
@@ -137,6 +139,7 @@ def _onto_leftovers(rank: int, world: int, root: str, background: bool) -> None:
     _then(rank, root, f"{root}/step2", "leftovers", background)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("background", [False, True], ids=["save", "background"])
 def test_an_unchanged_save_onto_a_crashed_saves_leftovers_commits_and_clears_them(
     tmp_path, background

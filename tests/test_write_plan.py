@@ -84,6 +84,7 @@ def test_the_plan_is_the_least_loaded_holder_for_every_chunk_however_lists_are_s
         assert all(h in replicated[p.writer] for p in mine), h.name
 
 
+@pytest.mark.slow
 def test_ddp_chunks_spread_evenly_over_every_rank():
     """4,096 ranks share one list of 3,000 chunks (DDP): the busiest writes at most one
     chunk more than the average, and the plan is the scan's."""
