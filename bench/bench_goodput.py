@@ -30,7 +30,9 @@ step of the final timeline; badput is the save stall of those steps, the lost wo
     python bench/bench_goodput.py [--failures 20] [--seed 0] [--json OUT]
 
 Prints a table per failure and the summary; ``--json`` writes what
-bench/goodput_model.py reads.
+bench/goodput_model.py reads; ``--keep`` keeps the jobs' directories, whose event log
+``shardpoint report DIR/campaign/node0/nvme`` draws as a timeline (saves per tier,
+restores by tier, preemptions).
 """
 
 from __future__ import annotations
@@ -543,6 +545,7 @@ def main() -> int:
     p.add_argument("--step-seconds", type=float, default=Config.step_seconds)
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--keep", action="store_true", help="keep the jobs' directories")
     args = p.parse_args()
     config = Config(
         failures=args.failures,
@@ -556,7 +559,10 @@ def main() -> int:
         reference = run_job(root / "reference", config, failures=False)
         campaign = run_job(root / "campaign", config, failures=True)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    if args.keep:  # `shardpoint report DIR/campaign/node0/nvme` draws its timeline
+        print(f"kept {root}")
     problems = compare(campaign, reference)
     print(table(campaign))
     print(f"uninterrupted: ETTR {reference['ettr']:.1%} (save stall only)")

@@ -363,8 +363,24 @@ def test_report_summarises_the_event_log_and_plots(tmp_path, capsys):
     assert main(["report", str(root), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["saves"] == 3 and doc["bytes"]["total"] > 0
+    assert doc["restores_by_tier"] == {"memory": 0, "local": 0, "remote": 0}
     assert Path(doc["plot"]).stat().st_size > 1000  # a PNG
     assert main(["report", str(tmp_path)]) == 2
+
+
+def test_report_counts_restores_by_the_tier_they_came_from(tmp_path, capsys):
+    root = _run_dir(tmp_path / "run")
+    restores = [
+        {"event": "restore", "time": 1.0, "step": 2, "tier": "memory"},
+        {"event": "restore", "time": 2.0, "step": 2, "path": "x", "bytes_from_remote": 0},
+        {"event": "restore", "time": 3.0, "step": 3, "path": "x", "bytes_from_remote": 10},
+        {"event": "restore", "time": 4.0, "step": 3, "path": "x", "bytes_from_remote": 5},
+    ]
+    with open(root / "events.jsonl", "a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in restores)
+    assert main(["report", str(root), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["restores_by_tier"] == {"memory": 1, "local": 1, "remote": 2}
 
 
 def test_report_skips_a_torn_line_of_the_event_log(tmp_path, capsys):
