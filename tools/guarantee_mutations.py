@@ -52,6 +52,7 @@ BACKGROUND = "tests/test_save_plan_cache.py::"
 MANAGER = "tests/test_checkpoint_manager.py::"
 ROLLBACK = "tests/test_rollback.py::"
 GRACE = "tests/test_preemption_grace.py::"
+CAMPAIGN = "tests/test_goodput_campaign.py::"
 MUTATIONS = [
     Mutation(
         "marker before index",
@@ -1427,6 +1428,18 @@ MUTATIONS = [
         "            self.memory.wait()  # this node's copy and the buddies' replicas complete\n",
         "            pass\n",
         (GRACE + "test_a_memory_save_that_fails_at_preemption_falls_back_to_the_disk",),
+    ),
+    Mutation(
+        "restarts ignore the memory tier",
+        "elastic restarts recover from host memory, losing at most its interval",
+        "src/shardpoint/training/manager.py",
+        "            if in_memory is not None and in_memory >= max(on_disk | remote, "
+        "default=-1):\n",
+        "            if False:\n",
+        (
+            CAMPAIGN + "test_each_failure_restores_from_its_tier_and_loses_at_most_that_tiers_"
+            "interval",
+        ),
     ),
     Mutation(
         "retention forgets the last good one",
