@@ -27,9 +27,11 @@ from .training.data import ResumableLoader, ResumableSampler
 from .training.manager import CheckpointManager
 from .training.options import (
     AsyncOptions,
+    ErasureCode,
     IOOptions,
     MemoryTierOptions,
     RemoteTier,
+    Replicas,
     SavePolicy,
 )
 from .training.retention import RetentionPolicy
@@ -59,12 +61,14 @@ __all__ = [
     "CheckpointReader",
     "ConcurrentWriterError",
     "CorruptCheckpointError",
+    "ErasureCode",
     "FileReport",
     "IOOptions",
     "IncompleteCheckpointError",
     "MemoryTierOptions",
     "PerRank",
     "RemoteTier",
+    "Replicas",
     "ResumableLoader",
     "ResumableSampler",
     "RetentionPolicy",

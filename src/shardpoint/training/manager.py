@@ -223,7 +223,7 @@ class CheckpointManager:
         self.memory = (
             MemoryTier(
                 memory.job or _memory_job(self.directory, self.tier.storage, self.per_node),
-                replicas=memory.replicas,
+                redundancy=memory.redundancy,
                 max_bytes=memory.max_bytes,
                 pool_bytes=memory.pool_bytes,
             )
@@ -542,6 +542,7 @@ class CheckpointManager:
             step=step,
             tier="memory",
             bytes_from_buddies=self.memory.bytes_received,
+            **self.memory.restored_how,
             seconds=round(time.perf_counter() - start, 4),
         )
         return True

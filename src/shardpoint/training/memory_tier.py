@@ -1,17 +1,21 @@
 """In-memory checkpoint tier: every rank's latest checkpoint in host shared memory,
-with a copy on a buddy rank of another node.
+protected against node losses by copies on buddy ranks of other nodes or by parity.
 
 Each rank saves its own state as a one-process checkpoint (DTensors as their local
 shards) into a tmpfs directory, ``$SHARDPOINT_SHM_DIR`` (default
 ``/dev/shm/shardpoint``) / job / ``own`` / rank / step: it outlives a crashed process,
 so a restart on the same node finds it. The files then go over ``torch.distributed``
-to ``replicas`` buddy ranks on other nodes (rank + k * ranks_per_node), which keep them
-under ``replica``. Every copy is an ordinary checkpoint: marker last, checksums on
-every block, verified when loaded.
+to the buddy ranks of ``Replicas(n)`` on other nodes (rank + k * ranks_per_node), which
+keep them under ``replica``; or, with ``ErasureCode(data, parity)``, pieces of them go to
+the ranks of the parity group (``erasure.Placement``) that keep parity under ``parity``.
+Every copy is an ordinary checkpoint: marker last, checksums on every block, verified
+when loaded; every parity piece and every data piece it was made from has a checksum
+in the holder's manifest, checked before a rebuild uses it.
 
-Survives: any process crash; the loss of one node per replica group (its ranks pull
-their files back from buddies). Does not survive: losing a node together with all its
-buddies, or every node (then the disk and remote tiers are used).
+Survives: any process crash; the loss of ``n`` nodes per replica group (its ranks pull
+their files back from buddies), or of ``parity`` nodes per parity group (its ranks
+rebuild their files from the survivors' pieces). Does not survive more losses than
+that, or every node (then the disk and remote tiers are used).
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import xxhash
 
 from .. import dist
 from ..background_save import Stager, lower_priority
@@ -43,18 +49,24 @@ from ..saving import DEFAULT_THREADS, SaveOptions, run_save
 from ..staging import StagingPool
 from ..storage import open_storage
 from ..tree import flatten
+from .erasure import Codec, Placement, placement
+from .options import ErasureCode, Replicas
 
 DEFAULT_ROOT = "/dev/shm/shardpoint"
 STALE_AFTER_SECONDS = 24 * 3600
+ONE_REPLICA = Replicas(1)
+PARITY_MANIFEST = "parity.json"  # written last: a parity copy without it is not used
 
 
 class MemoryTier:
     """The newest checkpoints of this rank (and replicas of its buddies') in shared memory.
 
-    ``job`` names the run (one namespace per job on a node); ``max_bytes`` bounds what
-    one rank keeps (its own copy plus the replicas it holds): a save over budget is
-    skipped with an error. Saves are asynchronous: the caller only stages. A copy
-    becomes visible (own or replica) only once complete, marker last.
+    ``job`` names the run (one namespace per job on a node); ``redundancy`` protects the
+    copies against node losses (``Replicas(n)`` or ``ErasureCode(data, parity)``);
+    ``max_bytes`` bounds what one rank keeps (its own copy plus the replicas or parity
+    it holds): a save over budget is skipped with an error. Saves are asynchronous: the
+    caller only stages. A copy becomes visible (own, replica or parity) only once
+    complete, marker (or parity manifest) last.
     ``close(release=True)`` frees the memory on a clean exit.
     """
 
@@ -63,7 +75,7 @@ class MemoryTier:
         job: str,
         *,
         root: str | os.PathLike[str] | None = None,
-        replicas: int = 1,
+        redundancy: Replicas | ErasureCode = ONE_REPLICA,
         ranks_per_node: int | None = None,
         keep: int = 1,
         max_bytes: int | None = None,
@@ -74,10 +86,20 @@ class MemoryTier:
         self.rank, self.world = dist.rank(), dist.world_size()
         self.per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         nodes = max(self.world // max(self.per_node, 1), 1)
-        self.replicas = min(replicas, nodes - 1)
+        self.placement: Placement | None = None
+        self.replicas = 0
+        if isinstance(redundancy, ErasureCode):
+            self.placement = placement(
+                self.rank, self.world, self.per_node, redundancy.data, redundancy.parity
+            )
+        else:
+            self.replicas = min(redundancy.copies, nodes - 1)
         self.keep = keep
         self.max_bytes = max_bytes
         self.bytes_received = 0  # over torch.distributed by the last restore (for tests)
+        self.rebuilt = False  # whether the last restore rebuilt this rank's copy from parity
+        # On rank 0, after a restore: which ranks rebuilt their copy, which got a buddy's.
+        self.restored_how: dict[str, list[int]] = {}
         self.nice = nice  # of the background thread (see AsyncSaver)
         # Staging memory of its own (``pool_bytes`` bounds it, as for AsyncSaver): a
         # memory save may run while a disk save is still writing from its pool.
@@ -97,15 +119,17 @@ class MemoryTier:
     def replica_dir(self, rank: int, step: int) -> Path:
         return self.base / "replica" / f"rank{rank:05d}" / step_dir(step)
 
-    def buddies(self, rank: int) -> list[int]:
-        return [(rank + k * self.per_node) % self.world for k in range(1, self.replicas + 1)]
+    def parity_dir(self, step: int) -> Path:
+        return self.base / "parity" / f"rank{self.rank:05d}" / step_dir(step)
 
     def _committed_steps(self, parent: Path) -> dict[int, dict[str, int]]:
-        """step -> {file: size} of committed copies under ``parent``."""
+        """step -> {file: size} of committed copies (or parity copies) under ``parent``."""
         out: dict[int, dict[str, int]] = {}
         for d in parent.iterdir() if parent.is_dir() else []:
             step = parse_step_dir(d.name)
-            if step is not None and Commit(open_storage(d)).is_committed():
+            if step is not None and (
+                (d / PARITY_MANIFEST).is_file() or Commit(open_storage(d)).is_committed()
+            ):
                 out[step] = {p.name: p.stat().st_size for p in d.iterdir()}
         return out
 
@@ -194,12 +218,16 @@ class MemoryTier:
         if failed is not None:
             shutil.rmtree(own, ignore_errors=True)
             raise CheckpointError(f"memory tier save of step {step} failed: {failed}")
+        if self.placement is not None:
+            unwritten = self._send_parity(step, files)
+            if unwritten is not None:
+                error = f"rank {self.rank}: {unwritten}"
         for k in range(1, self.replicas + 1):
             to = (self.rank + k * self.per_node) % self.world
             frm = (self.rank - k * self.per_node) % self.world
             # Each rank learns the file list of the buddy it receives from alone: what
             # a rank receives per save does not grow with the ranks.
-            theirs = self._swap_manifests(to, frm, files)
+            theirs = self._swap_manifests([to], files, [frm])[0]
             replica = self._exchange(
                 send=(to, own), recv=(frm, theirs, self.replica_dir(frm, step))
             )
@@ -210,27 +238,104 @@ class MemoryTier:
         failed = dist.first_error(error, self.group)
         if failed is not None:
             shutil.rmtree(own, ignore_errors=True)
-            for parent in self._replica_parents():
+            for parent in self._held_parents():
                 shutil.rmtree(parent / step_dir(step), ignore_errors=True)
             raise CheckpointError(f"memory tier save of step {step} failed: {failed}")
         self._prune(step)
 
-    def _swap_manifests(self, to: int, frm: int, files: dict[str, int]) -> dict[str, int]:
-        """Send this rank's file list (name -> size) to ``to``; receive ``frm``'s."""
+    def _swap_manifests(
+        self, to: list[int], files: dict[str, int], frm: list[int]
+    ) -> list[dict[str, int]]:
+        """Send this rank's file list (name -> size) to the ranks ``to``; receive those
+        of the ranks ``frm``, in that order."""
         payload = json.dumps(files).encode()
         size = torch.tensor([len(payload)], dtype=torch.int64)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        sends = [
-            dist.isend_bytes(size, to, tag=0, group=self.group),
-            dist.isend_bytes(data, to, tag=1, group=self.group),
-        ]
-        their_size = torch.zeros(1, dtype=torch.int64)
-        dist.irecv_bytes(their_size, frm, tag=0, group=self.group).wait()
-        buffer = torch.empty(int(their_size.item()), dtype=torch.uint8)
-        dist.irecv_bytes(buffer, frm, tag=1, group=self.group).wait()
+        sends = []
+        for rank in to:
+            sends.append(dist.isend_bytes(size, rank, tag=0, group=self.group))
+            sends.append(dist.isend_bytes(data, rank, tag=1, group=self.group))
+        theirs = []
+        for rank in frm:
+            their_size = torch.zeros(1, dtype=torch.int64)
+            dist.irecv_bytes(their_size, rank, tag=0, group=self.group).wait()
+            buffer = torch.empty(int(their_size.item()), dtype=torch.uint8)
+            dist.irecv_bytes(buffer, rank, tag=1, group=self.group).wait()
+            got = json.loads(buffer.numpy().tobytes())
+            theirs.append({str(k): int(v) for k, v in got.items()})
         for request in sends:
             request.wait()
-        return {str(k): int(v) for k, v in json.loads(buffer.numpy().tobytes()).items()}
+        return theirs
+
+    def _send_parity(self, step: int, files: dict[str, int]) -> str | None:
+        """Collective in the parity group: one codeword at a time, its data members send
+        their chunk of their copy to its parity holders, which compute and keep their
+        parity piece with the checksums of every piece, manifest last. Returns why this
+        rank could not keep its parity (it still takes part in every codeword, so that
+        the others never wait for it)."""
+        pl = self.placement
+        assert pl is not None
+        me = pl.position(self.rank)
+        others = [r for r in pl.members if r != self.rank]
+        theirs = iter(self._swap_manifests(others, files, others))
+        manifests = [files if r == self.rank else next(theirs) for r in pl.members]
+        size = pl.chunk_bytes([sum(f.values()) for f in manifests])
+        codec = Codec(pl.k, pl.m)
+        target = self.parity_dir(step)
+        error = None
+        try:
+            if target.exists():
+                shutil.rmtree(target)  # a crashed earlier attempt at this step
+            target.mkdir(parents=True)
+        except OSError as exc:
+            error = f"making {target}: {exc}"
+        codewords: dict[str, dict[str, Any]] = {}
+        for j in range(len(pl.members)):
+            requests = []
+            if me in pl.data(j):
+                chunk = torch.from_numpy(
+                    _read_stream(self.own_dir(step), files, pl.chunks(me).index(j), size)
+                )
+                for holder in pl.holders(j):
+                    requests.append(dist.isend_bytes(chunk, pl.members[holder], j, self.group))
+            pieces: list[torch.Tensor] = []
+            if me in pl.holders(j):
+                for p in pl.data(j):
+                    pieces.append(torch.empty(size, dtype=torch.uint8))
+                    requests.append(dist.irecv_bytes(pieces[-1], pl.members[p], j, self.group))
+            for request in requests:
+                request.wait()
+            if not pieces or error is not None:
+                continue
+            t = pl.holders(j).index(me)
+            data = [piece.numpy() for piece in pieces]
+            parity = codec.encode(data)[t]
+            codewords[str(j)] = {
+                "piece": pl.k + t,
+                "data_hashes": [_digest(d) for d in data],
+                "parity_hash": _digest(parity),
+            }
+            try:
+                parity.tofile(target / f"codeword{j}.bin")
+            except OSError as exc:
+                error = f"writing parity to {target}: {exc}"
+        if error is None:
+            manifest = {
+                "step": step,
+                "members": list(pl.members),
+                "parity": pl.m,
+                "chunk_bytes": size,
+                "files": manifests,
+                "codewords": codewords,
+            }
+            try:
+                _write_last(target / PARITY_MANIFEST, json.dumps(manifest).encode())
+            except OSError as exc:
+                error = f"writing {target / PARITY_MANIFEST}: {exc}"
+        if error is not None:
+            shutil.rmtree(target, ignore_errors=True)
+            return f"{error}; free space there (or raise its size), or lower parity"
+        return None
 
     def _check_budget(self, state: Any, step: int) -> None:
         """The copies held now stay until every rank's copies of the new step are in
@@ -241,19 +346,21 @@ class MemoryTier:
         own = sum(t.numel() * t.element_size() for t in flatten(state).tensors.values())
         held = sum(
             p.lstat().st_size
-            for parent in [self.own_dir(step).parent, *self._replica_parents()]
+            for parent in [self.own_dir(step).parent, *self._held_parents()]
             if parent.is_dir()
             for d in parent.iterdir()
             if d.name != step_dir(step)  # replaced by the new copy
             for p in d.rglob("*")
         )
-        need = held + own * (1 + self.replicas)
+        pl = self.placement
+        share = self.replicas if pl is None else pl.m / pl.k  # of a copy, held for others
+        need = held + int(own * (1 + share))
         if need > self.max_bytes:
             raise CheckpointError(
                 f"memory tier: {need} bytes ({held} held until the new copies are in place, "
-                f"plus {own} for the own copy and each of {self.replicas} replicas) exceed "
-                f"max_bytes={self.max_bytes}; raise it (about twice one step's copies) or "
-                "lower replicas"
+                f"plus {own} for the own copy and {share:g} of it for the other ranks' "
+                f"redundancy) exceed max_bytes={self.max_bytes}; raise it (about twice one "
+                "step's copies) or lower the redundancy"
             )
 
     def _identity(self, step: int) -> dict[str, Any]:
@@ -305,7 +412,7 @@ class MemoryTier:
         return None
 
     def _prune(self, newest: int) -> None:
-        for parent in [self.base / "own" / f"rank{self.rank:05d}", *self._replica_parents()]:
+        for parent in [self.base / "own" / f"rank{self.rank:05d}", *self._held_parents()]:
             steps = sorted(self._committed_steps(parent))
             for d in parent.iterdir() if parent.is_dir() else []:
                 step = parse_step_dir(d.name)
@@ -318,10 +425,12 @@ class MemoryTier:
         returns their steps. Not collective: each rank looks at its own."""
         self.wait(raise_error=False)
         gone = set()
-        for parent in [self.base / "own" / f"rank{self.rank:05d}", *self._replica_parents()]:
+        for parent in [self.base / "own" / f"rank{self.rank:05d}", *self._held_parents()]:
             for step in self._committed_steps(parent):
                 d = parent / step_dir(step)
-                if passed_over(step, Commit(open_storage(d)).committed_at()):
+                manifest = d / PARITY_MANIFEST
+                at = manifest.stat().st_mtime if manifest.is_file() else None
+                if passed_over(step, at or Commit(open_storage(d)).committed_at()):
                     shutil.rmtree(d, ignore_errors=True)
                     gone.add(step)
         return sorted(gone)
@@ -330,6 +439,12 @@ class MemoryTier:
         """The replica directories this rank holds (other ranks of the node hold others)."""
         held = [(self.rank - k * self.per_node) % self.world for k in range(1, self.replicas + 1)]
         return [self.base / "replica" / f"rank{r:05d}" for r in held]
+
+    def _held_parents(self) -> list[Path]:
+        """Every directory of what this rank holds for others: replicas, or its parity."""
+        if self.placement is None:
+            return self._replica_parents()
+        return [self.base / "parity" / f"rank{self.rank:05d}"]
 
     # ---- restore ------------------------------------------------------------------------------
 
@@ -349,7 +464,8 @@ class MemoryTier:
 
     def restore(self, state: Any, step: int) -> None:
         """Collective: load ``step`` (the one ``newest_step`` agreed on) from memory; ranks
-        without their own copy receive it from a buddy first. Raises (on every rank) if
+        without their own copy receive it from a buddy, or rebuild it from their parity
+        group's pieces (``rebuilt``), first. Raises (on every rank) if
         any rank cannot load it."""
         if self._role is None or self._role["step"] != step:
             raise ValueError(
@@ -360,11 +476,27 @@ class MemoryTier:
         # This rank's transfers, in the order of the whole job's list: a rank waits for
         # each of its transfers in turn, and every partner reaches it in the same order.
         error = None
-        for kind, other, files in self._role["transfers"]:
+        spec = self._role.get("rebuild")
+        rebuild = None if spec is None else _Rebuild(self.own_dir(step), spec)
+        self.rebuilt = rebuild is not None
+        self.restored_how = {
+            how: self._role.get(how, []) for how in ("ranks_from_buddies", "ranks_rebuilt")
+        }
+        for kind, other, detail in self._role["transfers"]:
             if kind == "send":
                 self._exchange(send=(other, self.replica_dir(other, step)), recv=None)
+            elif kind == "receive":
+                error = self._exchange(send=None, recv=(other, detail, self.own_dir(step))) or error
+            elif kind == "send_piece":
+                dist.isend_bytes(self._piece(step, detail), other, 0, self.group).wait()
             else:
-                error = self._exchange(send=None, recv=(other, files, self.own_dir(step))) or error
+                assert rebuild is not None
+                piece = torch.empty(rebuild.chunk_bytes, dtype=torch.uint8)
+                dist.irecv_bytes(piece, other, 0, self.group).wait()
+                self.bytes_received += piece.numel()
+                rebuild.add(detail, piece.numpy())
+        if rebuild is not None:
+            error = error or rebuild.finish()
         mine: BaseException | None = None
         kind = 0  # the copy cannot be used; 1: another error, 2: the state does not fit
         try:
@@ -392,13 +524,36 @@ class MemoryTier:
         if failed is not None:
             raise CorruptCheckpointError(f"memory tier step {step} is not usable: {failed}")
 
+    def _piece(self, step: int, detail: dict[str, Any]) -> torch.Tensor:
+        """A piece a rebuild asked for: a chunk of this rank's copy, or its parity of a
+        codeword, as kept (the rebuilding rank checks it against the checksums)."""
+        piece = np.zeros(detail["chunk_bytes"], dtype=np.uint8)
+        try:
+            if detail["kind"] == "data":
+                own = self.own_dir(step)
+                piece = _read_stream(own, _files(own), detail["chunk"], detail["chunk_bytes"])
+            else:
+                path = self.parity_dir(step) / f"codeword{detail['codeword']}.bin"
+                with open(path, "rb") as f:
+                    f.readinto(memoryview(piece))
+        except OSError:  # sent anyway (zeros fail the checksum): the receiver must not wait
+            pass
+        return torch.from_numpy(piece)
+
     def _holdings(self) -> dict[str, Any]:
         own = self._committed_steps(self.base / "own" / f"rank{self.rank:05d}")
         held = {
             str(int(p.name[4:])): {str(s): f for s, f in self._committed_steps(p).items()}
             for p in self._replica_parents()
         }
-        return {"own": sorted(own), "held": held}
+        parity = {}
+        for step in self._committed_steps(self.base / "parity" / f"rank{self.rank:05d}"):
+            try:
+                manifest = (self.parity_dir(step) / PARITY_MANIFEST).read_bytes()
+                parity[str(step)] = json.loads(manifest)
+            except (OSError, ValueError):  # unreadable: not offered
+                continue
+        return {"own": sorted(own), "held": held, "parity": parity}
 
     def close(self, *, release: bool = False) -> None:
         """Finish the save in flight (raising its error); ``release=True`` (a clean end
@@ -406,7 +561,7 @@ class MemoryTier:
         self.wait()
         if release:
             shutil.rmtree(self.base / "own" / f"rank{self.rank:05d}", ignore_errors=True)
-            for parent in self._replica_parents():
+            for parent in self._held_parents():
                 shutil.rmtree(parent, ignore_errors=True)
 
 
@@ -431,17 +586,69 @@ def load_identity(path: Path) -> dict[str, Any]:
 def _restore_roles(holdings: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
     """Rank 0's plan from every rank's holdings: per rank, the newest step every rank can
     recover (None: none) and its part of the transfers, in the job's order: ["send",
-    owner, None] or ["receive", holder, {file: size}]. A rank's own copy comes first,
-    else the lowest-ranked buddy's."""
+    owner, None] or ["receive", holder, {file: size}] for replicas, ["send_piece",
+    rebuilder, what] or ["receive_piece", sender, which] for parity (with "rebuild": how
+    the pieces make the rank's copy). A rank's own copy comes first, else the
+    lowest-ranked buddy's, else a rebuild from its parity group."""
     own = [set(h["own"]) for h in holdings]
     replica: dict[tuple[int, int], int] = {}  # (owner, step) -> holder
+    parity: dict[tuple[int, int], dict[str, Any]] = {}  # (holder, step) -> its manifest
     for holder, h in enumerate(holdings):
         for owner, steps in h["held"].items():
             for step in steps:
                 replica.setdefault((int(owner), int(step)), holder)
+        for step, manifest in h.get("parity", {}).items():
+            parity[(holder, int(step))] = manifest
+
+    def rebuild(rank: int, step: int) -> dict[str, Any] | None:
+        """How ``rank`` rebuilds its copy of ``step`` from its parity group's pieces:
+        for each codeword it gave a chunk to, ``k`` pieces of it that survive (data
+        chunks of the other members first, then parity) with their checksums."""
+        group = next(
+            (m for (_, s), m in parity.items() if s == step and rank in m["members"]), None
+        )
+        if group is None:
+            return None
+        pl = Placement(tuple(group["members"]), group["parity"])
+        p, size = pl.position(rank), group["chunk_bytes"]
+        chunks, pieces = [], []
+        for j in pl.chunks(p):
+            kept = {
+                t: parity[(pl.members[h], step)]["codewords"].get(str(j))
+                for t, h in enumerate(pl.holders(j))
+                if (pl.members[h], step) in parity
+            }
+            kept = {t: c for t, c in kept.items() if c is not None}
+            if not kept:
+                return None
+            hashes = next(iter(kept.values()))["data_hashes"]
+            found = [
+                (pl.members[q], d, hashes[d], {"kind": "data", "chunk": pl.chunks(q).index(j)})
+                for d, q in enumerate(pl.data(j))
+                if q != p and step in own[pl.members[q]]
+            ] + [
+                (pl.members[pl.holders(j)[t]], pl.k + t, c["parity_hash"], {"kind": "parity"})
+                for t, c in kept.items()
+            ]
+            if len(found) < pl.k:
+                return None
+            chunks.append([j, pl.data(j).index(p)])
+            for sender, index, digest, what in found[: pl.k]:
+                detail = {**what, "codeword": j, "chunk_bytes": size}
+                pieces.append((sender, {"codeword": j, "index": index, "hash": digest}, detail))
+        spec = {"chunk_bytes": size, "data": pl.k, "parity": pl.m, "chunks": chunks}
+        return {"spec": {**spec, "files": group["files"][p]}, "pieces": pieces}
+
+    rebuilds: dict[tuple[int, int], dict[str, Any] | None] = {}
 
     def source(rank: int, step: int) -> int | None:
-        return rank if step in own[rank] else replica.get((rank, step))
+        if step in own[rank]:
+            return rank
+        if (rank, step) in replica:
+            return replica[(rank, step)]
+        if (rank, step) not in rebuilds:
+            rebuilds[(rank, step)] = rebuild(rank, step)
+        return None if rebuilds[(rank, step)] is None else -1  # -1: rebuilt from parity
 
     newest = next(
         (
@@ -454,7 +661,18 @@ def _restore_roles(holdings: list[dict[str, Any]], world: int) -> list[dict[str,
     roles: list[dict[str, Any]] = [{"step": newest, "transfers": []} for _ in range(world)]
     for owner in range(world) if newest is not None else ():
         holder = source(owner, newest)
-        if holder != owner:
+        if holder != owner:  # rank 0's part says how (for the event log)
+            how = "ranks_rebuilt" if holder == -1 else "ranks_from_buddies"
+            roles[0].setdefault(how, []).append(owner)
+        if holder == -1:
+            plan = rebuilds[(owner, newest)]
+            assert plan is not None
+            roles[owner]["rebuild"] = plan["spec"]
+            for sender, receive, send in plan["pieces"]:
+                roles[sender]["transfers"].append(["send_piece", owner, send])
+                which = {**receive, "from": sender}
+                roles[owner]["transfers"].append(["receive_piece", sender, which])
+        elif holder != owner:
             files = holdings[holder]["held"][str(owner)][str(newest)]
             roles[holder]["transfers"].append(["send", owner, None])
             roles[owner]["transfers"].append(["receive", holder, files])
@@ -482,3 +700,100 @@ def _remove_stale_jobs(root: Path, keep: Path) -> None:
             continue
         if now - newest > STALE_AFTER_SECONDS:
             shutil.rmtree(job, ignore_errors=True)
+
+
+class _Rebuild:
+    """A rank's copy rebuilt from its parity group's pieces: each piece is checked against
+    the checksum its holder recorded before it is used, each codeword decoded once its
+    ``k`` pieces are in, and the files written under a temporary name that becomes the
+    copy only once every chunk is in place (never half a copy where a restore looks)."""
+
+    def __init__(self, target: Path, spec: dict[str, Any]) -> None:
+        self.target, self.files = target, spec["files"]
+        self.chunk_bytes = spec["chunk_bytes"]
+        self.codec = Codec(spec["data"], spec["parity"])
+        self.wanted = {j: (c, want) for c, (j, want) in enumerate(spec["chunks"])}
+        self.pieces: dict[int, dict[int, np.ndarray]] = {}
+        self.error: str | None = None
+        self.partial = target.parent / f".rebuild-{target.name}"
+        try:
+            shutil.rmtree(self.partial, ignore_errors=True)
+            self.partial.mkdir(parents=True)
+            for name, size in self.files.items():
+                with open(self.partial / name, "wb") as f:
+                    f.truncate(size)
+        except OSError as exc:
+            self.error = f"rebuilding {target}: {exc}"
+
+    def add(self, which: dict[str, Any], piece: np.ndarray) -> None:
+        j = which["codeword"]
+        if self.error is not None:
+            return
+        if _digest(piece) != which["hash"]:
+            self.error = (
+                f"rebuilding {self.target}: piece {which['index']} of codeword {j} from rank "
+                f"{which['from']} does not match its checksum (a corrupt copy or parity)"
+            )
+            return
+        got = self.pieces.setdefault(j, {})
+        got[which["index"]] = piece
+        if len(got) == self.codec.k:
+            c, want = self.wanted[j]
+            chunk = self.codec.rebuild(got, want)
+            del self.pieces[j]
+            try:
+                for name, at, lo, hi in _spans(self.files, c, self.chunk_bytes):
+                    with open(self.partial / name, "r+b") as f:
+                        f.seek(at)
+                        f.write(memoryview(chunk)[lo:hi])
+            except OSError as exc:
+                self.error = f"rebuilding {self.target}: {exc}"
+            self.wanted.pop(j)
+
+    def finish(self) -> str | None:
+        """Why the copy could not be rebuilt (its partial files removed), or None."""
+        if self.error is None and self.wanted:
+            self.error = f"rebuilding {self.target}: codewords {sorted(self.wanted)} incomplete"
+        if self.error is None:
+            try:
+                if self.target.exists():
+                    shutil.rmtree(self.target)
+                os.rename(self.partial, self.target)
+            except OSError as exc:
+                self.error = f"rebuilding {self.target}: {exc}"
+        shutil.rmtree(self.partial, ignore_errors=True)
+        return self.error
+
+
+def _spans(files: dict[str, int], chunk: int, size: int):  # noqa: ANN202
+    """Where chunk ``chunk`` (``size`` bytes) of a copy's files, taken in their commit
+    order as one stream, lies: (file, offset in it, start, end in the chunk)."""
+    lo, hi = chunk * size, (chunk + 1) * size
+    at = 0
+    for name in _ordered(list(files)):
+        end = at + files[name]
+        if end > lo and at < hi:
+            start = max(lo, at)
+            yield name, start - at, start - lo, min(hi, end) - lo
+        at = end
+
+
+def _read_stream(d: Path, files: dict[str, int], chunk: int, size: int) -> np.ndarray:
+    """Chunk ``chunk`` of the copy in ``d`` (zeros past its end)."""
+    out = np.zeros(size, dtype=np.uint8)
+    for name, at, lo, hi in _spans(files, chunk, size):
+        with open(d / name, "rb") as f:
+            f.seek(at)
+            f.readinto(memoryview(out)[lo:hi])
+    return out
+
+
+def _digest(data: np.ndarray) -> str:
+    return xxhash.xxh3_64_hexdigest(memoryview(data))
+
+
+def _write_last(path: Path, data: bytes) -> None:
+    """Write ``data`` under a temporary name and rename it: it appears whole or not."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

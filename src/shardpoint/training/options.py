@@ -5,7 +5,7 @@ Retention (which checkpoints to keep) is ``retention.RetentionPolicy``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from ..saving import DEFAULT_MAX_SHARD_BYTES, DEFAULT_THREADS
@@ -51,17 +51,59 @@ class RemoteTier:
 
 
 @dataclass(frozen=True)
+class Replicas:
+    """Memory-tier redundancy by full copies: each rank's copy also on ``copies`` buddy
+    ranks of other nodes; ``1 + copies`` times a copy's memory per rank."""
+
+    copies: int = 1
+
+    def __post_init__(self) -> None:
+        if self.copies < 0:
+            raise ValueError("Replicas(copies) must be 0 or more")
+
+
+@dataclass(frozen=True)
+class ErasureCode:
+    """Memory-tier redundancy by parity: groups of ``data + parity`` nodes, any
+    ``parity`` lost nodes of a group rebuilt from the others; ``(data + parity) / data``
+    times a copy's memory per rank (docs/memory.md, "Erasure-coded redundancy").
+    ``parity=1`` is XOR; ``parity >= 2`` needs pyeclib (``shardpoint[erasure]``)."""
+
+    data: int
+    parity: int = 1
+
+    def __post_init__(self) -> None:
+        if self.data < 1 or self.parity < 1:
+            raise ValueError("ErasureCode needs data >= 1 and parity >= 1")
+
+
+@dataclass(frozen=True)
 class MemoryTierOptions:
-    """Every ``every_n_steps`` steps each rank keeps its state in host shared memory and
-    on ``replicas`` buddy ranks of other nodes (docs/memory.md). ``max_bytes`` bounds
-    what one rank keeps; ``pool_bytes`` bounds its staging memory (default: the size
-    of the rank's state); ``job`` names the namespace (default: from the directory)."""
+    """Every ``every_n_steps`` steps each rank keeps its state in host shared memory,
+    protected against node losses by ``redundancy``: ``Replicas(n)`` (full copies on n
+    buddy ranks of other nodes) or ``ErasureCode(data, parity)`` (docs/memory.md).
+    ``max_bytes`` bounds what one rank keeps; ``pool_bytes`` bounds its staging memory
+    (default: the size of the rank's state); ``job`` names the namespace (default: from
+    the directory)."""
 
     every_n_steps: int
-    replicas: int = 1
+    redundancy: Replicas | ErasureCode = Replicas(1)
     max_bytes: int | None = None
     pool_bytes: int | None = None
     job: str | None = None
+    replicas: InitVar[int | None] = None  # moved: redundancy=Replicas(n)
+
+    def __post_init__(self, replicas: int | None) -> None:
+        if replicas is not None:
+            raise TypeError(
+                f"MemoryTierOptions(replicas={replicas}) is now "
+                f"MemoryTierOptions(redundancy=Replicas({replicas}))"
+            )
+        if not isinstance(self.redundancy, (Replicas, ErasureCode)):
+            raise TypeError(
+                "MemoryTierOptions(redundancy=...) takes Replicas(n) or "
+                f"ErasureCode(data, parity), not {self.redundancy!r}"
+            )
 
 
 @dataclass(frozen=True)

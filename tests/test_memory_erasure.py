@@ -1,0 +1,247 @@
+"""Erasure-coded memory tier: simulated nodes of one rank each (gloo), a separate
+shared-memory directory per node. Wiped nodes are rebuilt from their parity group's
+pieces without reading the disk tier; more losses than parity fall back to the disk
+with an event; a corrupt piece is caught by its checksum before it is used."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shardpoint import (
+    CheckpointManager,
+    ErasureCode,
+    MemoryTierOptions,
+    Replicas,
+    SavePolicy,
+)
+from shardpoint.errors import CheckpointError
+from shardpoint.storage.local import LocalDirectory
+from shardpoint.training.erasure import Codec, Placement, placement, rs_width
+
+
+def _state(step: int, mesh) -> dict:  # noqa: ANN001
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(step)
+    # 401 rows over the ranks: shards of different sizes, so the group pads the smaller
+    # copies' chunks.
+    full = torch.randn(401, 9, generator=g)
+    return {
+        "sharded": distribute_tensor(full, mesh, [Shard(0)]),
+        "bias": torch.randn(11, generator=g, dtype=torch.float64),
+        "step": step,
+    }
+
+
+def _template(mesh) -> dict:  # noqa: ANN001
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return {
+        "sharded": distribute_tensor(torch.zeros(401, 9), mesh, [Shard(0)]),
+        "bias": torch.zeros(11, dtype=torch.float64),
+        "step": -1,
+    }
+
+
+def _same(state: dict, step: int, mesh) -> None:  # noqa: ANN001
+    want = _state(step, mesh)
+    assert torch.equal(state["sharded"].to_local(), want["sharded"].to_local())
+    assert torch.equal(state["bias"], want["bias"])
+    assert state["step"] == step
+
+
+def _mesh(world: int):  # noqa: ANN202
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def _manager(root: str, data: int, parity: int, events: list | None = None) -> CheckpointManager:
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # every rank a node of its own
+    return CheckpointManager(
+        Path(root) / "disk",
+        policy=SavePolicy(every_n_steps=3),
+        memory=MemoryTierOptions(
+            every_n_steps=1, job="job", redundancy=ErasureCode(data=data, parity=parity)
+        ),
+        preemption_signals=(),
+        on_event=[events.append] if events is not None else (),
+    )
+
+
+def _node(rank: int, root: str) -> None:
+    os.environ["SHARDPOINT_SHM_DIR"] = str(Path(root) / f"node{rank}")
+
+
+def _train(rank: int, world: int, root: str, data: int, parity: int) -> None:
+    _node(rank, root)
+    mesh = _mesh(world)
+    manager = _manager(root, data, parity)
+    for step in range(1, 6):  # disk: step 3; memory: step 5
+        manager.maybe_save(step, _state(step, mesh))
+    manager.close()
+
+
+def _restore(rank: int, world: int, root: str, data: int, parity: int, expect: dict) -> None:
+    _node(rank, root)
+    disk_bytes = [0]
+    real = LocalDirectory.read_ranges
+    disk = str(Path(root) / "disk")
+
+    def counting(self, requests, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        if str(self.root).startswith(disk):
+            disk_bytes[0] += sum(s.end - s.offset for ss in requests.values() for s in ss)
+        return real(self, requests, **kwargs)
+
+    LocalDirectory.read_ranges = counting
+    events: list[dict] = []
+    manager = _manager(root, data, parity, events)
+    mesh = _mesh(world)
+    state = _template(mesh)
+    step = manager.restore(state)
+    assert step == expect["step"], (rank, step, events)
+    _same(state, step, mesh)
+    if expect["tier"] == "memory":
+        assert disk_bytes[0] == 0, disk_bytes  # nothing read from the disk tier
+        assert manager.memory.rebuilt == (rank in expect["rebuilt"])
+    if rank == 0:  # the event log, written by rank 0, says where the state came from
+        restored = [e for e in events if e["event"] == "restore"]
+        assert restored[-1].get("tier", "storage") == expect["tier"], events
+        assert restored[-1].get("ranks_rebuilt", []) == expect.get("rebuilt", []), restored
+        fallback = [e for e in events if e["event"] == "fallback" and e.get("tier") == "memory"]
+        assert bool(fallback) == expect.get("memory_fallback", False), events
+        if fallback:  # refused before decoding, not by the rebuilt copy's own checksums
+            assert "does not match its checksum" in fallback[0]["error"], fallback
+    manager.close()
+
+
+def _wipe(root: Path, *nodes: int) -> None:
+    for node in nodes:
+        shutil.rmtree(root / f"node{node}")
+
+
+@pytest.mark.slow
+def test_one_wiped_node_of_three_is_rebuilt_from_xor_parity_without_the_disk(tmp_path):
+    """2+1 on 3 nodes: a replaced node's rank rebuilds its copy from the two others'
+    data chunks and parity; a restart on every node then finds its own copy."""
+    from distributed import run_ranks
+
+    root = str(tmp_path)
+    run_ranks(3, _train, root, 2, 1)
+    parity = sorted(p.name for p in (tmp_path / "node1").rglob("codeword*.bin"))
+    assert parity == ["codeword1.bin"], parity  # one codeword's parity per member (m=1)
+    _wipe(tmp_path, 1)
+    run_ranks(3, _restore, root, 2, 1, {"step": 5, "tier": "memory", "rebuilt": [1]})
+    run_ranks(3, _restore, root, 2, 1, {"step": 5, "tier": "memory", "rebuilt": []})
+
+
+@pytest.mark.slow
+def test_two_wiped_nodes_of_four_are_rebuilt_with_two_parity_pieces(tmp_path):
+    """2+2 on 4 nodes (Reed-Solomon, pyeclib): any two nodes may go."""
+    pytest.importorskip("pyeclib")
+    from distributed import run_ranks
+
+    root = str(tmp_path)
+    run_ranks(4, _train, root, 2, 2)
+    _wipe(tmp_path, 0, 2)
+    run_ranks(4, _restore, root, 2, 2, {"step": 5, "tier": "memory", "rebuilt": [0, 2]})
+
+
+@pytest.mark.slow
+def test_more_lost_nodes_than_parity_fall_back_to_the_disk(tmp_path):
+    """2+1 with two of three nodes wiped: no step can be rebuilt, so the memory tier
+    offers none and the disk's step 3 is restored."""
+    from distributed import run_ranks
+
+    root = str(tmp_path)
+    run_ranks(3, _train, root, 2, 1)
+    _wipe(tmp_path, 0, 1)
+    run_ranks(3, _restore, root, 2, 1, {"step": 3, "tier": "storage"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("corrupt", ["parity", "data"])
+def test_a_corrupt_piece_is_caught_by_its_checksum_and_the_disk_is_used(tmp_path, corrupt):
+    """One flipped byte in the parity a rebuild needs, or in a surviving member's copy
+    (a chunk given to the rebuild): the rebuilding rank refuses it before decoding; every
+    rank falls back to the disk's step 3 with a `fallback` event naming the piece."""
+    from distributed import run_ranks
+
+    root = str(tmp_path)
+    run_ranks(3, _train, root, 2, 1)
+    _wipe(tmp_path, 1)
+    if corrupt == "parity":  # node 0 holds codeword 0's parity, which rank 1 needs
+        victim = next((tmp_path / "node0").rglob("codeword0.bin"))
+    else:  # rank 2's copy: its shard file gives a chunk to codeword 0
+        victim = next(p for p in (tmp_path / "node2").rglob("*.safetensors") if "own" in p.parts)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    expect = {"step": 3, "tier": "storage", "memory_fallback": True}
+    run_ranks(3, _restore, root, 2, 1, expect)
+
+
+# ---- the placement and the codecs, in one process -------------------------------------------
+
+
+def test_every_codeword_has_its_pieces_on_distinct_nodes_and_parity_is_balanced():
+    for nodes, per_node, k, m in [(3, 1, 2, 1), (4, 2, 2, 2), (7, 2, 2, 1), (11, 1, 4, 1)]:
+        world = nodes * per_node
+        groups = {placement(r, world, per_node, k, m) for r in range(world)}
+        assert sorted(r for g in groups for r in g.members) == list(range(world))
+        for g in groups:
+            node_of = [r // per_node for r in g.members]
+            assert len(set(node_of)) == len(g.members)  # one member per node
+            n = len(g.members)
+            for j in range(n):
+                assert sorted(g.holders(j) + g.data(j)) == list(range(n))
+            for p in range(n):  # each member: k chunks given, m parity pieces held
+                assert len(g.chunks(p)) == g.k
+                assert sum(p in g.holders(j) for j in range(n)) == m
+
+
+def test_a_job_with_fewer_nodes_than_a_group_is_refused_with_the_fix():
+    with pytest.raises(CheckpointError, match=r"needs 3 nodes.*has 2 nodes"):
+        placement(0, 4, 2, 2, 1)
+
+
+@pytest.mark.parametrize(("k", "m"), [(2, 1), (4, 1), (2, 2), (4, 2), (3, 3)])
+def test_the_codec_rebuilds_any_piece_from_any_k_others(k, m):
+    if m > 1:
+        pytest.importorskip("pyeclib")
+    rng = np.random.default_rng(k * 10 + m)
+    size = Placement(tuple(range(k + m)), m).chunk_bytes([3 * rs_width(k) * k - 5])
+    data = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(k)]
+    codec = Codec(k, m)
+    pieces = dict(enumerate(data + codec.encode(data)))
+    for lost in range(k + m):
+        others = [i for i in pieces if i != lost]
+        for start in range(len(others) - k + 1):
+            given = {i: pieces[i] for i in others[start : start + k]}
+            assert np.array_equal(codec.rebuild(given, lost), pieces[lost]), (lost, given.keys())
+
+
+def test_the_old_replicas_spelling_names_the_new_one():
+    with pytest.raises(TypeError, match=r"redundancy=Replicas\(2\)"):
+        MemoryTierOptions(every_n_steps=5, replicas=2)
+    assert MemoryTierOptions(every_n_steps=5).redundancy == Replicas(1)
+    with pytest.raises(TypeError, match="Replicas"):
+        MemoryTierOptions(every_n_steps=5, redundancy=2)  # type: ignore[arg-type]
+
+
+def test_the_parity_manifest_is_written_last(tmp_path):
+    """A parity copy is offered only once its manifest exists, and the manifest appears
+    whole (written under another name, then renamed)."""
+    from shardpoint.training.memory_tier import PARITY_MANIFEST, _write_last
+
+    target = tmp_path / PARITY_MANIFEST
+    _write_last(target, json.dumps({"a": 1}).encode())
+    assert json.loads(target.read_bytes()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == [PARITY_MANIFEST]
