@@ -61,8 +61,6 @@ from s3_server import FaultProxy, start_moto  # noqa: E402 - the tests' S3 serve
 from shardpoint.format.index import MARKER_NAME  # noqa: E402
 
 WORKER = ROOT / "tests" / "multi_node_train.py"
-NODES, PER_NODE = 2, 2
-WORLD = NODES * PER_NODE
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -87,6 +85,14 @@ class Config:
     min_gap: int = 4  # steps after a recovery before the next failure
     max_gap: int = 16
     timeout: float = 1800.0  # the whole campaign; a hang is a failure
+    nodes: int = 2
+    per_node: int = 2
+    erasure: str | None = None  # "K+M": the memory tier's ErasureCode; None: a replica
+    kinds: tuple[str, ...] = ()  # the failure kinds to draw from (default: MIX)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
 
     @property
     def total_steps(self) -> int:
@@ -138,7 +144,7 @@ class Job:
         c = self.config
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE),
+            "--nnodes", str(c.nodes), "--nproc-per-node", str(c.per_node),
             "--max-restarts", str(c.max_restarts), "--monitor-interval", "0.1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
             "--rdzv-id", self.rdzv_id,
@@ -153,6 +159,8 @@ class Job:
             "--preemption-signal", "TERM",
             "--timeline", *extra,
         ]  # fmt: skip
+        if c.erasure:
+            cmd += ["--erasure", c.erasure]
         env = {**self.env, "SHARDPOINT_SHM_DIR": str(self.node_dir(node) / "shm")}
         log = open(self.root / "logs" / f"{time.monotonic_ns()}.node{node}", "w")  # noqa: SIM115
         self.agents[node] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -162,7 +170,8 @@ class Job:
         self.port, self.rdzv_id = _free_port(), uuid.uuid4().hex[:8]
         self.launch(0)
         time.sleep(0.5)
-        self.launch(1)
+        for node in range(1, self.config.nodes):
+            self.launch(node)
 
     def workers(self, node: int) -> list[int]:
         """Pids of the ranks node ``node``'s agent runs (each in a session of its own)."""
@@ -199,7 +208,7 @@ class Job:
     def timeline(self) -> list[dict[str, Any]]:
         """Rank 0's timeline (whichever node it ran on), in time order."""
         rows = []
-        for node in range(NODES):
+        for node in range(self.config.nodes):
             path = self.node_dir(node) / "timeline.jsonl"
             if path.is_file():
                 rows += [json.loads(line) for line in path.read_text().splitlines() if line]
@@ -207,7 +216,7 @@ class Job:
 
     def events(self) -> list[dict[str, Any]]:
         rows = []
-        for node in range(NODES):
+        for node in range(self.config.nodes):
             path = self.node_dir(node) / "nvme" / "events.jsonl"
             if path.is_file():
                 for line in path.read_text().splitlines():
@@ -220,7 +229,7 @@ class Job:
     def losses(self, rank: int) -> list[tuple[int, str]]:
         """Every (step, loss) rank ``rank`` logged, over every node and restart."""
         out = []
-        for node in range(NODES):
+        for node in range(self.config.nodes):
             path = self.node_dir(node) / f"losses.rank{rank}.jsonl"
             if path.is_file():
                 for line in path.read_text().splitlines():
@@ -232,7 +241,7 @@ class Job:
         return out
 
     def final(self, rank: int) -> dict[str, Any]:
-        for node in range(NODES):
+        for node in range(self.config.nodes):
             path = self.node_dir(node) / f"final.rank{rank}.json"
             if path.is_file():
                 doc = json.loads(path.read_text())
@@ -286,7 +295,7 @@ def inject(job: Job, kind: str, rng: random.Random, proxy: FaultProxy, c: Config
     last = _newest_step(job)
     now = time.time()
     if kind == "process":
-        node = rng.randrange(NODES)
+        node = rng.randrange(c.nodes)
         ranks = job.workers(node)
         failure = Failure(kind, node, now, last)
         _kill(rng.choice(ranks))
@@ -298,13 +307,13 @@ def inject(job: Job, kind: str, rng: random.Random, proxy: FaultProxy, c: Config
         job.launch(1)
     elif kind == "preemption":
         failure = Failure(kind, None, now, last)
-        ranks = {n: job.workers(n) for n in range(NODES)}
+        ranks = {n: job.workers(n) for n in range(c.nodes)}
         for agent in job.agents.values():
             agent.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + c.grace
         while time.monotonic() < deadline and not job.finished():
             time.sleep(0.05)
-        for node in range(NODES):  # the scheduler's SIGKILL after the grace
+        for node in range(c.nodes):  # the scheduler's SIGKILL after the grace
             if job.agents[node].poll() is None:
                 failure.notes.append(f"node {node} killed after the grace")
             job.agents[node].kill()
@@ -316,7 +325,7 @@ def inject(job: Job, kind: str, rng: random.Random, proxy: FaultProxy, c: Config
         job.launch_all()
     elif kind == "corruption":
         failure = Failure(kind, None, now, last)
-        for node in range(NODES):
+        for node in range(c.nodes):
             job.kill_node(node)
             shutil.rmtree(job.node_dir(node) / "shm", ignore_errors=True)
         flipped = _flip_newest_local(job, 0)
@@ -370,14 +379,15 @@ def _recovered(job: Job, failure: Failure, c: Config, deadline: float) -> None:
     raise TimeoutError(f"no step after the {failure.kind} failure: a hang\n{job.log_tail()}")
 
 
-def _schedule(rng: random.Random, count: int) -> list[str]:
+def _schedule(rng: random.Random, count: int, only: tuple[str, ...] = ()) -> list[str]:
     """``count`` failure kinds in a seeded order: every kind once (from 5 failures on),
-    the rest drawn in MIX's proportions."""
-    rest = [k for k, n in MIX.items() for _ in range(n - 1)]
+    the rest drawn in MIX's proportions (of the kinds ``only`` names, if any)."""
+    mix = {k: n for k, n in MIX.items() if not only or k in only}
+    rest = [k for k, n in mix.items() for _ in range(n - 1)]
     rng.shuffle(rest)
     while len(rest) < count:
         rest += rest
-    kinds = (list(MIX) + rest)[:count]
+    kinds = (list(mix) + rest)[:count]
     rng.shuffle(kinds)
     return kinds
 
@@ -396,7 +406,7 @@ def run_job(root: Path, config: Config, *, failures: bool) -> dict[str, Any]:
         ).create_bucket(Bucket=bucket)
         job = Job(root, f"s3://{bucket}/run", proxy.url, config)
         rng = random.Random(config.seed)
-        kinds = _schedule(rng, config.failures) if failures else []
+        kinds = _schedule(rng, config.failures, config.kinds) if failures else []
         deadline = time.monotonic() + config.timeout
         job.launch_all()
         done: list[Failure] = []
@@ -458,7 +468,7 @@ def summarize(job: Job, c: Config, failures: list[Failure], leaked: list[str]) -
         "local": {"stall_s": local_stall or 0.0, "restore_s": restore_s("local")},
         "remote": {"stall_s": 0.0, "restore_s": restore_s("remote")},
     }
-    per_rank = int(statistics.fmean(saved_bytes) / WORLD) if saved_bytes else 0
+    per_rank = int(statistics.fmean(saved_bytes) / c.world) if saved_bytes else 0
     # Per-rank persist throughput (goodput_model.py: persist time = bytes / it): a save's
     # start to its copy being complete on that tier.
     persist = {
@@ -486,8 +496,8 @@ def summarize(job: Job, c: Config, failures: list[Failure], leaked: list[str]) -
             "restart_restore": wall - productive - stall - lost_work,
         },
         "leaked_dev_shm": leaked,
-        "losses": {rank: job.losses(rank) for rank in range(WORLD)},
-        "final": {rank: job.final(rank) for rank in range(WORLD)},
+        "losses": {rank: job.losses(rank) for rank in range(c.world)},
+        "final": {rank: job.final(rank) for rank in range(c.world)},
     }
 
 
@@ -501,7 +511,7 @@ def compare(campaign: dict[str, Any], reference: dict[str, Any]) -> list[str]:
     every loss any attempt logged equals the reference's at its step, every step ran,
     and the final states are the same bytes."""
     problems = []
-    for rank in range(WORLD):
+    for rank in reference["losses"]:
         ref = dict(reference["losses"][rank])
         seen = {step for step, _ in campaign["losses"][rank]}
         if seen != set(ref):

@@ -32,7 +32,8 @@ lands mid-run; bench/bench_goodput.py's stand-in for GPU time). A preempted rank
 ``preempted.rank{R}.json`` (the step, the exit code) and exits with the manager's exit
 code. ``--timeline``: rank 0 appends to ``timeline.jsonl`` when it starts, what it
 restored, and each step's start, compute end and save end (wall clock), for the goodput
-campaign.
+campaign. ``--erasure K+M`` protects the memory tier with ``ErasureCode(K, M)`` instead
+of a buddy replica.
 """
 
 from __future__ import annotations
@@ -52,7 +53,14 @@ import torch.distributed as dist
 from torch import nn
 
 import shardpoint
-from shardpoint import MemoryTierOptions, RemoteTier, RetentionPolicy, SavePolicy
+from shardpoint import (
+    ErasureCode,
+    MemoryTierOptions,
+    RemoteTier,
+    Replicas,
+    RetentionPolicy,
+    SavePolicy,
+)
 
 IN, HIDDEN, OUT = 64, 256, 64  # ~99k parameters; 256 rows shard unevenly on 3 ranks
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4 ranks
@@ -161,6 +169,14 @@ def write_json(path: Path, doc: dict) -> None:
     path.write_text(json.dumps(doc, sort_keys=True))
 
 
+def redundancy(erasure: str | None) -> Replicas | ErasureCode:
+    """``--erasure K+M``: the memory tier's parity groups; without it, one buddy replica."""
+    if erasure is None:
+        return Replicas(1)
+    k, m = (int(n) for n in erasure.split("+"))
+    return ErasureCode(data=k, parity=m)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--local-dir", required=True)
@@ -178,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-disk", type=float, default=0.0, metavar="S")
     p.add_argument("--step-sleep", type=float, default=0.0, metavar="S")
     p.add_argument("--timeline", action="store_true")
+    p.add_argument("--erasure", default=None, metavar="K+M")
     args = p.parse_args(argv)
     started = time.time()
 
@@ -198,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         policy=SavePolicy(every_n_steps=args.save_every),
         retention=RetentionPolicy(keep_last=2),
         remote=RemoteTier(args.remote, RetentionPolicy(keep_last=5)) if args.remote else None,
-        memory=MemoryTierOptions(args.memory_every) if args.memory_every else None,
+        memory=MemoryTierOptions(args.memory_every, redundancy=redundancy(args.erasure))
+        if args.memory_every
+        else None,
         preemption_signals=signals,
         preemption_grace_seconds=args.grace,
     )

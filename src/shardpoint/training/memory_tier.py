@@ -412,7 +412,11 @@ class MemoryTier:
         return None
 
     def _prune(self, newest: int) -> None:
-        for parent in [self.base / "own" / f"rank{self.rank:05d}", *self._held_parents()]:
+        mine = [self.base / "own" / f"rank{self.rank:05d}", *self._held_parents()]
+        for _, parent in self._slot_dirs():
+            if parent not in mine:  # another rank's, left in this slot before ranks moved
+                shutil.rmtree(parent, ignore_errors=True)
+        for parent in mine:
             steps = sorted(self._committed_steps(parent))
             for d in parent.iterdir() if parent.is_dir() else []:
                 step = parse_step_dir(d.name)
@@ -420,12 +424,12 @@ class MemoryTier:
                     shutil.rmtree(d, ignore_errors=True)
 
     def discard(self, passed_over: Callable[[int, float | None], bool]) -> list[int]:
-        """Delete this rank's copies (own and held replicas) of the steps for which
-        ``passed_over(step, committed_at)`` holds (a rollback went back past them);
-        returns their steps. Not collective: each rank looks at its own."""
+        """Delete the copies this rank's slot of the node keeps (own, replicas, parity) of
+        the steps for which ``passed_over(step, committed_at)`` holds (a rollback went
+        back past them); returns their steps. Not collective: each rank looks at its own."""
         self.wait(raise_error=False)
         gone = set()
-        for parent in [self.base / "own" / f"rank{self.rank:05d}", *self._held_parents()]:
+        for _, parent in self._slot_dirs():
             for step in self._committed_steps(parent):
                 d = parent / step_dir(step)
                 manifest = d / PARITY_MANIFEST
@@ -484,11 +488,16 @@ class MemoryTier:
         }
         for kind, other, detail in self._role["transfers"]:
             if kind == "send":
-                self._exchange(send=(other, self.replica_dir(other, step)), recv=None)
+                whose = detail["whose"]
+                src = self.own_dir(step, whose) if detail["own"] else self.replica_dir(whose, step)
+                self._exchange(send=(other, src), recv=None)
             elif kind == "receive":
                 error = self._exchange(send=None, recv=(other, detail, self.own_dir(step))) or error
             elif kind == "send_piece":
                 dist.isend_bytes(self._piece(step, detail), other, 0, self.group).wait()
+            elif kind == "local_piece":
+                assert rebuild is not None
+                rebuild.add(detail[1], self._piece(step, detail[0]).numpy())
             else:
                 assert rebuild is not None
                 piece = torch.empty(rebuild.chunk_bytes, dtype=torch.uint8)
@@ -530,10 +539,11 @@ class MemoryTier:
         piece = np.zeros(detail["chunk_bytes"], dtype=np.uint8)
         try:
             if detail["kind"] == "data":
-                own = self.own_dir(step)
+                own = self.own_dir(step, detail["whose"])
                 piece = _read_stream(own, _files(own), detail["chunk"], detail["chunk_bytes"])
             else:
-                path = self.parity_dir(step) / f"codeword{detail['codeword']}.bin"
+                parent = self.base / "parity" / f"rank{detail['whose']:05d}"
+                path = parent / step_dir(step) / f"codeword{detail['codeword']}.bin"
                 with open(path, "rb") as f:
                     f.readinto(memoryview(piece))
         except OSError:  # sent anyway (zeros fail the checksum): the receiver must not wait
@@ -541,27 +551,45 @@ class MemoryTier:
         return torch.from_numpy(piece)
 
     def _holdings(self) -> dict[str, Any]:
-        own = self._committed_steps(self.base / "own" / f"rank{self.rank:05d}")
-        held = {
-            str(int(p.name[4:])): {str(s): f for s, f in self._committed_steps(p).items()}
-            for p in self._replica_parents()
-        }
-        parity = {}
-        for step in self._committed_steps(self.base / "parity" / f"rank{self.rank:05d}"):
-            try:
-                manifest = (self.parity_dir(step) / PARITY_MANIFEST).read_bytes()
-                parity[str(step)] = json.loads(manifest)
-            except (OSError, ValueError):  # unreadable: not offered
+        """What this rank's slot of the node holds, by whose it is: {"own": {rank: {step:
+        files}}, "held": {rank: {step: files}}, "parity": {holder: {step: manifest}}}.
+        By slot, not by this rank: a restarted job may give this node's slot another
+        rank (torchrun orders nodes as they join), whose copies are then sent to it."""
+        out: dict[str, dict[str, Any]] = {"own": {}, "held": {}, "parity": {}}
+        for kind, parent in self._slot_dirs():
+            whose = parent.name[4:]
+            steps = self._committed_steps(parent)
+            if kind != "parity":
+                out[kind][whose] = {str(s): f for s, f in steps.items()}
                 continue
-        return {"own": sorted(own), "held": held, "parity": parity}
+            for step in steps:
+                try:
+                    manifest = json.loads((parent / step_dir(step) / PARITY_MANIFEST).read_bytes())
+                except (OSError, ValueError):  # unreadable: not offered
+                    continue
+                out["parity"].setdefault(whose, {})[str(step)] = manifest
+        return out
+
+    def _slot_dirs(self) -> list[tuple[str, Path]]:
+        """("own" | "held" | "parity", directory) of every rank's copies kept in this
+        rank's slot of the node: its local rank's, whichever rank had it before."""
+        out = []
+        for kind, sub in (("own", "own"), ("held", "replica"), ("parity", "parity")):
+            for d in sorted((self.base / sub).iterdir()) if (self.base / sub).is_dir() else []:
+                try:
+                    whose = int(d.name[4:])
+                except ValueError:
+                    continue
+                if d.name.startswith("rank") and whose % self.per_node == self.rank % self.per_node:
+                    out.append((kind, d))
+        return out
 
     def close(self, *, release: bool = False) -> None:
         """Finish the save in flight (raising its error); ``release=True`` (a clean end
         of training) frees this rank's memory."""
         self.wait()
         if release:
-            shutil.rmtree(self.base / "own" / f"rank{self.rank:05d}", ignore_errors=True)
-            for parent in self._held_parents():
+            for _, parent in self._slot_dirs():
                 shutil.rmtree(parent, ignore_errors=True)
 
 
@@ -586,26 +614,33 @@ def load_identity(path: Path) -> dict[str, Any]:
 def _restore_roles(holdings: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
     """Rank 0's plan from every rank's holdings: per rank, the newest step every rank can
     recover (None: none) and its part of the transfers, in the job's order: ["send",
-    owner, None] or ["receive", holder, {file: size}] for replicas, ["send_piece",
+    owner, {"whose", "own"}] or ["receive", holder, {file: size}] for copies kept on
+    another node (a buddy's replica, or an own copy a restart left in a slot now given
+    to another rank), ["send_piece",
     rebuilder, what] or ["receive_piece", sender, which] for parity (with "rebuild": how
     the pieces make the rank's copy). A rank's own copy comes first, else the
     lowest-ranked buddy's, else a rebuild from its parity group."""
-    own = [set(h["own"]) for h in holdings]
-    replica: dict[tuple[int, int], int] = {}  # (owner, step) -> holder
-    parity: dict[tuple[int, int], dict[str, Any]] = {}  # (holder, step) -> its manifest
+    # (whose, step) -> (the rank holding that copy, its files), own copies before replicas
+    copies: dict[tuple[int, int], tuple[int, bool, dict[str, int]]] = {}
+    parity: dict[tuple[int, int], tuple[int, dict[str, Any]]] = {}  # (holder, step) ->
+    for kind in ("own", "held"):
+        for holder, h in enumerate(holdings):
+            for whose, steps in h[kind].items():
+                for step, files in steps.items():
+                    key = (int(whose), int(step))
+                    if key not in copies or (kind == "own" and int(whose) == holder):
+                        copies[key] = (holder, kind == "own", files)
     for holder, h in enumerate(holdings):
-        for owner, steps in h["held"].items():
-            for step in steps:
-                replica.setdefault((int(owner), int(step)), holder)
-        for step, manifest in h.get("parity", {}).items():
-            parity[(holder, int(step))] = manifest
+        for whose, steps in h["parity"].items():
+            for step, manifest in steps.items():
+                parity[(int(whose), int(step))] = (holder, manifest)
 
     def rebuild(rank: int, step: int) -> dict[str, Any] | None:
         """How ``rank`` rebuilds its copy of ``step`` from its parity group's pieces:
         for each codeword it gave a chunk to, ``k`` pieces of it that survive (data
         chunks of the other members first, then parity) with their checksums."""
         group = next(
-            (m for (_, s), m in parity.items() if s == step and rank in m["members"]), None
+            (m for (_, s), (_, m) in parity.items() if s == step and rank in m["members"]), None
         )
         if group is None:
             return None
@@ -613,22 +648,31 @@ def _restore_roles(holdings: list[dict[str, Any]], world: int) -> list[dict[str,
         p, size = pl.position(rank), group["chunk_bytes"]
         chunks, pieces = [], []
         for j in pl.chunks(p):
-            kept = {
-                t: parity[(pl.members[h], step)]["codewords"].get(str(j))
-                for t, h in enumerate(pl.holders(j))
-                if (pl.members[h], step) in parity
-            }
-            kept = {t: c for t, c in kept.items() if c is not None}
+            kept = {}  # parity piece t -> (the rank holding it, its record)
+            for t, h in enumerate(pl.holders(j)):
+                holder, manifest = parity.get((pl.members[h], step), (None, {}))
+                if str(j) in manifest.get("codewords", {}):
+                    kept[t] = (holder, manifest["codewords"][str(j)])
             if not kept:
                 return None
-            hashes = next(iter(kept.values()))["data_hashes"]
+            hashes = next(iter(kept.values()))[1]["data_hashes"]
             found = [
-                (pl.members[q], d, hashes[d], {"kind": "data", "chunk": pl.chunks(q).index(j)})
+                (
+                    copies[(pl.members[q], step)][0],
+                    d,
+                    hashes[d],
+                    {"kind": "data", "whose": pl.members[q], "chunk": pl.chunks(q).index(j)},
+                )
                 for d, q in enumerate(pl.data(j))
-                if q != p and step in own[pl.members[q]]
+                if q != p and copies.get((pl.members[q], step), (0, False))[1]
             ] + [
-                (pl.members[pl.holders(j)[t]], pl.k + t, c["parity_hash"], {"kind": "parity"})
-                for t, c in kept.items()
+                (
+                    holder,
+                    pl.k + t,
+                    c["parity_hash"],
+                    {"kind": "parity", "whose": pl.members[pl.holders(j)[t]]},
+                )
+                for t, (holder, c) in kept.items()
             ]
             if len(found) < pl.k:
                 return None
@@ -642,10 +686,8 @@ def _restore_roles(holdings: list[dict[str, Any]], world: int) -> list[dict[str,
     rebuilds: dict[tuple[int, int], dict[str, Any] | None] = {}
 
     def source(rank: int, step: int) -> int | None:
-        if step in own[rank]:
-            return rank
-        if (rank, step) in replica:
-            return replica[(rank, step)]
+        if (rank, step) in copies:
+            return copies[(rank, step)][0]
         if (rank, step) not in rebuilds:
             rebuilds[(rank, step)] = rebuild(rank, step)
         return None if rebuilds[(rank, step)] is None else -1  # -1: rebuilt from parity
@@ -653,7 +695,7 @@ def _restore_roles(holdings: list[dict[str, Any]], world: int) -> list[dict[str,
     newest = next(
         (
             step
-            for step in sorted(set().union(*own), reverse=True)
+            for step in sorted({s for _, s in copies} | {s for _, s in parity}, reverse=True)
             if all(source(rank, step) is not None for rank in range(world))
         ),
         None,
@@ -669,12 +711,15 @@ def _restore_roles(holdings: list[dict[str, Any]], world: int) -> list[dict[str,
             assert plan is not None
             roles[owner]["rebuild"] = plan["spec"]
             for sender, receive, send in plan["pieces"]:
-                roles[sender]["transfers"].append(["send_piece", owner, send])
                 which = {**receive, "from": sender}
+                if sender == owner:  # a piece its own slot keeps (ranks moved): no transfer
+                    roles[owner]["transfers"].append(["local_piece", owner, [send, which]])
+                    continue
+                roles[sender]["transfers"].append(["send_piece", owner, send])
                 roles[owner]["transfers"].append(["receive_piece", sender, which])
         elif holder != owner:
-            files = holdings[holder]["held"][str(owner)][str(newest)]
-            roles[holder]["transfers"].append(["send", owner, None])
+            _, is_own, files = copies[(owner, newest)]
+            roles[holder]["transfers"].append(["send", owner, {"whose": owner, "own": is_own}])
             roles[owner]["transfers"].append(["receive", holder, files])
     return roles
 
