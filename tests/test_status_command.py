@@ -168,3 +168,27 @@ def test_odd_events_in_the_log_are_read_defensively(tmp_path, capsys):
     assert doc["last_save"]["step"] == 2 and doc["last_save"]["age_seconds"] == 0
     assert main(["status", str(run)]) == 0
     assert "rollback to step ? (skip 0 batches)" in capsys.readouterr().out
+
+
+def test_the_last_restore_says_its_tier_and_which_ranks_were_rebuilt(tmp_path, capsys):
+    run = _run(tmp_path / "run")
+    now = time.time()
+    with open(run / "events.jsonl", "a") as log:
+        for event in (
+            {"event": "restore", "step": 2, "path": str(run / "step-000000002")},
+            {"event": "restore", "step": 3, "tier": "memory", "ranks_rebuilt": [1, 4]},
+        ):
+            log.write(json.dumps({**event, "time": now}) + "\n")
+    code, doc = _status(capsys, str(run))
+    assert code == 0
+    assert doc["last_restore"]["step"] == 3 and doc["last_restore"]["tier"] == "memory"
+    assert doc["last_restore"]["ranks_rebuilt"] == [1, 4]
+    assert doc["last_restore"]["ranks_from_buddies"] == []
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "last restore: step 3 from memory, ranks rebuilt from parity [1, 4]" in out
+
+
+def test_a_run_never_restored_has_no_last_restore(tmp_path, capsys):
+    _, doc = _status(capsys, str(_run(tmp_path / "run")))
+    assert doc["last_restore"] is None

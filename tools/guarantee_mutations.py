@@ -53,7 +53,35 @@ MANAGER = "tests/test_checkpoint_manager.py::"
 ROLLBACK = "tests/test_rollback.py::"
 GRACE = "tests/test_preemption_grace.py::"
 CAMPAIGN = "tests/test_goodput_campaign.py::"
+ERASURE = "tests/test_memory_erasure.py::"
 MUTATIONS = [
+    Mutation(
+        "parity pieces used unchecked",
+        "a rebuild never uses a corrupt piece",
+        "src/shardpoint/training/memory_tier.py",
+        '        if _digest(piece) != which["hash"]:\n',
+        "        if False:\n",
+        (
+            ERASURE + "test_a_corrupt_piece_is_caught_by_its_checksum_and_the_disk_is_used[parity]",
+            ERASURE + "test_a_corrupt_piece_is_caught_by_its_checksum_and_the_disk_is_used[data]",
+        ),
+    ),
+    Mutation(
+        "memory holdings by rank, not by slot",
+        "ranks that moved restore from memory",
+        "src/shardpoint/training/memory_tier.py",
+        "                if d.name.startswith(\"rank\") and whose % self.per_node == self.rank % self.per_node:\n",
+        "                if d.name.startswith(\"rank\") and (whose == self.rank or kind != \"own\"):\n",
+        (ERASURE + "test_a_replaced_node_that_comes_back_with_another_nodes_rank_is_rebuilt",),
+    ),
+    Mutation(
+        "a rebuild planned with too few pieces",
+        "more losses than parity fall back to the disk",
+        "src/shardpoint/training/memory_tier.py",
+        "            if len(found) < pl.k:\n",
+        "            if not found:\n",
+        (ERASURE + "test_more_lost_nodes_than_parity_fall_back_to_the_disk",),
+    ),
     Mutation(
         "marker before index",
         "visible ⇒ complete",
@@ -1198,8 +1226,8 @@ MUTATIONS = [
         "memory budget ignores the kept step",
         "memory tier budget",
         "src/shardpoint/training/memory_tier.py",
-        "        need = held + own * (1 + self.replicas)\n",
-        "        need = own * (1 + self.replicas)\n",
+        "        need = held + int(own * (1 + share))\n",
+        "        need = int(own * (1 + share))\n",
         (
             "tests/test_memory_tier.py::"
             "test_the_memory_budget_counts_the_step_kept_until_the_next_is_in_place",

@@ -674,6 +674,7 @@ def run_status(path: str, max_age: float | None = None, tier: str = "disk") -> d
     local or remote; or ``local``, ``remote``, ``memory``) holds no checkpoint, or its
     newest is older than ``max_age`` seconds."""
     from .metrics import FAILURES, CheckpointMetrics
+    from .report import restore_tier
     from .training.manager import EventLog
 
     storage = open_storage(path)
@@ -751,6 +752,17 @@ def run_status(path: str, max_age: float | None = None, tier: str = "disk") -> d
             f"{_human_seconds(max_age)}"
         )
     last_save = events[last] if last >= 0 else None
+    restores = [e for e in events if e.get("event") == "restore"]
+    last_restore = None
+    if restores:  # where the newest restore's state came from, rank by rank where it varied
+        e = restores[-1]
+        last_restore = {
+            "step": e.get("step"),
+            "tier": restore_tier(e),
+            "age_seconds": max(0.0, now - (when_of(e) or now)),
+            "ranks_rebuilt": e.get("ranks_rebuilt", []),
+            "ranks_from_buddies": e.get("ranks_from_buddies", []),
+        }
     return {
         "path": str(path),
         "time": now,
@@ -763,6 +775,7 @@ def run_status(path: str, max_age: float | None = None, tier: str = "disk") -> d
         "last_save": None
         if last_save is None
         else {**last_save, "age_seconds": max(0.0, now - (when_of(last_save) or now))},
+        "last_restore": last_restore,
         "failures_since_last_save": since,
         "failures": {k: n for k, n in history.failures.items() if n},
         "retention": {
@@ -804,6 +817,21 @@ def _status(args: argparse.Namespace) -> int:
             f"{float(save.get('seconds') or 0):.3f} s to commit, "
             f"{float(save.get('blocked_seconds') or 0):.3f} s stall, "
             f"{human_bytes(float(save.get('bytes') or 0))}, {save.get('gb_per_s', 0)} GB/s",
+            highlight=False,
+        )
+    restore = doc["last_restore"]
+    if restore is not None:
+        how = "".join(
+            f", {label} {restore[key]}"
+            for key, label in (
+                ("ranks_rebuilt", "ranks rebuilt from parity"),
+                ("ranks_from_buddies", "ranks from other nodes' copies"),
+            )
+            if restore[key]
+        )
+        console.print(
+            f"last restore: step {restore['step']} from {restore['tier']}{how}, "
+            f"{_human_seconds(restore['age_seconds'])} ago",
             highlight=False,
         )
     for kind, f in doc["failures_since_last_save"].items():

@@ -496,6 +496,16 @@ class CheckpointManager:
         out: list[tuple[int, Callable[[Any], bool]]] = []
         if self.memory is not None:
             in_memory = self.memory.newest_step()  # collective: ranks agree on it
+            if self.memory.lost is not None:
+                lost = self.memory.lost
+                self._log(
+                    "fallback",
+                    step=lost["step"],
+                    tier="memory",
+                    error=f"memory tier: the copies of ranks {lost['ranks']} of step "
+                    f"{lost['step']} are on no surviving node and cannot be rebuilt (more "
+                    "nodes lost than its redundancy covers); restoring from storage",
+                )
             if in_memory is not None and in_memory >= max(on_disk | remote, default=-1):
                 out.append((in_memory, partial(self._from_memory, step=in_memory)))
         for step in sorted(on_disk | remote, reverse=True):

@@ -100,6 +100,9 @@ class MemoryTier:
         self.rebuilt = False  # whether the last restore rebuilt this rank's copy from parity
         # On rank 0, after a restore: which ranks rebuilt their copy, which got a buddy's.
         self.restored_how: dict[str, list[int]] = {}
+        # On rank 0, after newest_step found none: the newest step held and whose copies
+        # of it no rank can give or rebuild ({"step", "ranks"}).
+        self.lost: dict[str, Any] | None = None
         self.nice = nice  # of the background thread (see AsyncSaver)
         # Staging memory of its own (``pool_bytes`` bounds it, as for AsyncSaver): a
         # memory save may run while a disk save is still writing from its pool.
@@ -464,6 +467,7 @@ class MemoryTier:
         plan = None if holdings is None else (lambda: _restore_roles(holdings, self.world))
         self._role = None  # until every rank has its part of this plan
         self._role = dist.scatter_plan(plan, 0, self.group)
+        self.lost = self._role.get("lost")
         return self._role["step"]
 
     def restore(self, state: Any, step: int) -> None:
@@ -701,6 +705,13 @@ def _restore_roles(holdings: list[dict[str, Any]], world: int) -> list[dict[str,
         None,
     )
     roles: list[dict[str, Any]] = [{"step": newest, "transfers": []} for _ in range(world)]
+    held = {s for _, s in copies} | {s for _, s in parity}
+    if newest is None and held:  # rank 0's part says whose copies of the newest are gone
+        best = max(held)
+        roles[0]["lost"] = {
+            "step": best,
+            "ranks": [r for r in range(world) if source(r, best) is None],
+        }
     for owner in range(world) if newest is not None else ():
         holder = source(owner, newest)
         if holder != owner:  # rank 0's part says how (for the event log)
