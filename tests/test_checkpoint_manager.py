@@ -567,10 +567,10 @@ def test_a_failed_background_save_does_not_stop_the_preemption_save(tmp_path, mo
         async_save=True,
         preemption_signals=(signal.SIGUSR1,),
     )
-    assert m.maybe_save(10, _state(10)) is not None  # staged; fails in the background
+    assert m.maybe_save(10, _state(10)) is True  # staged; fails in the background
     os.kill(os.getpid(), signal.SIGUSR1)
     with pytest.warns(UserWarning, match="background save in flight failed"):
-        assert m.maybe_save(11, _state(11)) is not None
+        assert m.maybe_save(11, _state(11)) is True
     assert m.should_stop and m.steps() == [11]
     m.close()
 
@@ -631,3 +631,17 @@ def test_metrics_are_stored_as_numbers_and_a_diverged_loss_does_not_fail_the_sav
             stored[step] = r.metadata["user"]["metrics"]["loss"]
     assert stored[3] == 0.25 and stored.get(2, None) is None and stored.get(4, None) is None
     assert 3 in m.steps() and 1 not in m.steps()  # best by loss: 0.25
+
+
+def test_the_old_keyword_arguments_name_their_new_spelling(tmp_path):
+    with pytest.raises(TypeError, match=r"every_n_steps= is now policy=SavePolicy\(every_n_steps"):
+        CheckpointManager(tmp_path, every_n_steps=10)
+    with pytest.raises(TypeError, match=r"keep_last= is now retention=RetentionPolicy\(keep_last"):
+        CheckpointManager(tmp_path, keep_last=3)
+    with pytest.raises(TypeError, match=r"memory_every_n_steps= is now memory=MemoryTierOptions"):
+        CheckpointManager(tmp_path, memory_every_n_steps=5)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'colour'"):
+        CheckpointManager(tmp_path, colour="blue")
+    with pytest.raises(TypeError, match=r"RemoteTier\('s3://b/run'\)"):
+        CheckpointManager(tmp_path, remote="s3://b/run")
+    assert not any(tmp_path.iterdir())  # refused before anything is written

@@ -176,16 +176,21 @@ def test_two_wiped_nodes_of_four_are_rebuilt_with_two_parity_pieces(tmp_path):
 
 
 @pytest.mark.slow
-def test_more_lost_nodes_than_parity_fall_back_to_the_disk(tmp_path):
-    """2+1 with two of three nodes wiped: no step can be rebuilt, so the memory tier
-    offers none and the disk's step 3 is restored."""
+@pytest.mark.parametrize(
+    ("data", "parity", "wiped"), [(2, 1, (0, 1)), (2, 2, (0, 1, 3)), (4, 2, (0, 2, 4))]
+)
+def test_more_lost_nodes_than_parity_fall_back_to_the_disk(tmp_path, data, parity, wiped):
+    """2+1 with two of three nodes wiped, 2+2 with three of four, 4+2 with three of six
+    (every codeword of every lost rank keeps a parity piece, but some have fewer than
+    4 pieces in all): no step can be rebuilt, so the memory tier offers none, says whose
+    copies are lost, and the disk's step 3 is restored."""
     from distributed import run_ranks
 
     root = str(tmp_path)
-    run_ranks(3, _train, root, 2, 1)
-    _wipe(tmp_path, 0, 1)
+    run_ranks(data + parity, _train, root, data, parity)
+    _wipe(tmp_path, *wiped)
     expect = {"step": 3, "tier": "storage", "memory_fallback": "on no surviving node"}
-    run_ranks(3, _restore, root, 2, 1, expect)
+    run_ranks(data + parity, _restore, root, data, parity, expect)
 
 
 @pytest.mark.slow

@@ -67,7 +67,7 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "memory holdings by rank, not by slot",
+        "memory holdings by rank not slot",
         "ranks that moved restore from memory",
         "src/shardpoint/training/memory_tier.py",
         "                if d.name.startswith(\"rank\") and whose % self.per_node == self.rank % self.per_node:\n",

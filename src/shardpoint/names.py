@@ -84,6 +84,3 @@ def is_own_file(name: str) -> bool:
     """Whether a save could have written ``name`` (finished or not)."""
     return _OWN_FILE.match(name) is not None
 
-
-def is_finished_file(name: str) -> bool:
-    return is_own_file(name) and not name.endswith(".tmp")

@@ -52,6 +52,30 @@ from .rollback import (
 from .rollback import skip_batches as skip_data_batches
 from .tiers import CheckpointTier, Uploader
 
+# Keyword arguments of earlier releases, and where each option lives now.
+MOVED_OPTIONS = {
+    "every_n_steps": "policy=SavePolicy(every_n_steps=...)",
+    "every_n_seconds": "policy=SavePolicy(every_n_seconds=...)",
+    "keep_last": "retention=RetentionPolicy(keep_last=...)",
+    "memory_every_n_steps": "memory=MemoryTierOptions(every_n_steps=...)",
+    "max_shard_size": "io=IOOptions(max_shard_size=...)",
+    "threads": "io=IOOptions(threads=...)",
+    "verify": "io=IOOptions(verify=...)",
+    "storage_options": "io=IOOptions(storage_options=...)",
+}
+
+
+def _moved_options(given: dict[str, Any]) -> str:
+    """The message for keyword arguments CheckpointManager does not take: the new
+    spelling of each one that moved, or that it is unknown."""
+    parts = [
+        f"{name}= is now {MOVED_OPTIONS[name]}"
+        if name in MOVED_OPTIONS
+        else f"unexpected keyword argument {name!r}"
+        for name in given
+    ]
+    return "CheckpointManager(): " + "; ".join(parts)
+
 
 class EventLog:
     """JSON lines: one object per save, upload, restore, fallback, deletion, signal.
@@ -186,7 +210,10 @@ class CheckpointManager:
         preemption_grace_seconds: float | Mapping[int, float] | None = None,
         incremental: bool = False,
         on_event: Iterable[Callable[[dict[str, Any]], None]] = (),
+        **moved: Any,
     ) -> None:
+        if moved:
+            raise TypeError(_moved_options(moved))
         policy = policy or SavePolicy()
         retention = retention or RetentionPolicy()
         io = io or IOOptions()
