@@ -8,8 +8,8 @@ Measured in one run, slowest rank reported:
     as a multiple of the rank's own copy;
   save: the stall (staging on the caller) and the time until every copy or parity
     piece is in place (the background thread);
-  training loop: how fast a Python loop on the caller runs while that background save
-    runs, as a share of its speed with nothing in the background;
+  training loop: how fast a Python loop on the caller runs while another such save
+    runs in the background, as a share of its speed with nothing in the background;
   recovery: from own memory (every process restarted), and with node 1's memory
     wiped (from a buddy, or rebuilt from parity);
   floors: memcpy of the rank's state, and a cold load of it from the local disk.
@@ -92,32 +92,46 @@ def _rank(rank: int, world: int, root: str, shm: str, mb: int, spec: tuple, out:
         fn(*args)
         times[name] = time.perf_counter() - start
 
-    timed("memcpy of the state", lambda: [t.clone() for t in own.values()])
+    copies = []
+    for _ in range(3):  # the best of three: the first faults fresh pages in
+        timed("memcpy of the state", lambda: [t.clone() for t in own.values()])
+        copies.append(times["memcpy of the state"])
+    times["memcpy of the state"] = min(copies)
     tier.save(0, state)  # faults the staging pool in
     tier.wait()
-    idle = _loop_rate(seconds=0.5)
     dist.all_gather_json(None)
     start = time.perf_counter()
     times["save stall"] = tier.save(1, state)
-    rate = _loop_rate(until=tier._thread)
     tier.wait()
     times["save complete"] = time.perf_counter() - start
-    times["loop speed during the save"] = rate / idle  # a share, not seconds
+    # The same save again, with the caller busy in Python meanwhile (the GIL contended,
+    # as a training loop's Python does between kernels).
+    idle = _loop_rate(seconds=0.5)
+    dist.all_gather_json(None)
+    tier.save(2, state)
+    times["loop speed during the save"] = _loop_rate(until=tier._thread) / idle  # a share
+    tier.wait()
     times["host memory"] = _slot_bytes(tier.base) / sum(
         t.numel() * t.element_size() for t in own.values()
     )
-    target = {k: torch.zeros_like(v) for k, v in own.items()}
+    # Faulted in before any timing: the first restore must not pay for fresh pages.
+    target = {k: torch.empty_like(v).fill_(0) for k, v in own.items()}
 
     def from_memory() -> None:
         tier.restore(target, tier.newest_step())
 
-    timed("recovery: own memory", from_memory)
-    if rank == 1:
-        shutil.rmtree(tier.base)  # node 1 replaced: empty memory
-        tier.base.mkdir(parents=True)
-    dist.all_gather_json(None)
-    timed("recovery: node 1 wiped", from_memory)
-    assert all(torch.equal(target[k], v) for k, v in own.items())
+    best: dict[str, float] = {}
+    for _ in range(2):  # the better of two rounds of each (node 1 wiped again each time)
+        timed("recovery: own memory", from_memory)
+        if rank == 1:
+            shutil.rmtree(tier.base)  # node 1 replaced: empty memory
+            tier.base.mkdir(parents=True)
+        dist.all_gather_json(None)
+        timed("recovery: node 1 wiped", from_memory)
+        assert all(torch.equal(target[k], v) for k, v in own.items())
+        for name in ("recovery: own memory", "recovery: node 1 wiped"):
+            best[name] = min(best.get(name, float("inf")), times[name])
+    times.update(best)
     with dist.solo():
         shardpoint.save(state, f"{root}/disk/rank{rank}")
     drop_cache(Path(f"{root}/disk/rank{rank}"))
@@ -134,12 +148,12 @@ def _rank(rank: int, world: int, root: str, shm: str, mb: int, spec: tuple, out:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=64, help="MB of state per rank")
-    parser.add_argument("--only", default=None, help="comma-separated config labels")
+    parser.add_argument("--only", default=None, help="config labels, separated by |")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     results = {}
     for label, nodes, spec in CONFIGS:
-        if args.only and label not in args.only.split(","):
+        if args.only and label not in args.only.split("|"):
             continue
         shm = tempfile.mkdtemp(dir="/dev/shm", prefix="shardpoint-bench-")  # real tmpfs
         try:

@@ -245,6 +245,24 @@ def test_on_torchrun_a_sigkilled_rank_and_a_wiped_node_resume_exactly_from_memor
     assert rebuilt.count([1]) == kinds.count("node"), restores  # node 1's rank, from parity
 
 
+@pytest.mark.slow
+def test_a_corrupt_parity_piece_is_caught_by_the_rebuilding_rank(tmp_path):
+    """2+2 (Reed-Solomon: the rebuilding rank receives the pieces and decodes them
+    itself): a flipped byte in every parity piece of the surviving nodes is refused by
+    the rebuilding rank's check before decoding, and every rank restores the disk's step."""
+    from distributed import run_ranks
+
+    root = str(tmp_path)
+    run_ranks(4, _train, root, 2, 2)
+    _wipe(tmp_path, 1)
+    for victim in tmp_path.rglob("codeword*.bin"):
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 3] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    expect = {"step": 3, "tier": "storage", "memory_fallback": "does not match its checksum"}
+    run_ranks(4, _restore, root, 2, 2, expect)
+
+
 # ---- the placement and the codecs, in one process -------------------------------------------
 
 

@@ -59,19 +59,28 @@ MUTATIONS = [
         "parity pieces used unchecked",
         "a rebuild never uses a corrupt piece",
         "src/shardpoint/training/memory_tier.py",
-        '        if _digest(piece) != which["hash"]:\n',
+        '        if which["index"] != "sum" and _digest(piece) != which["hash"]:\n',
         "        if False:\n",
+        (ERASURE + "test_a_corrupt_parity_piece_is_caught_by_the_rebuilding_rank",),
+    ),
+    Mutation(
+        "XOR sums made of unchecked pieces",
+        "a rebuild never uses a corrupt piece",
+        "src/shardpoint/training/memory_tier.py",
+        '                if _digest(piece.numpy()) != detail["hash"] and error is None:\n',
+        "                if False:\n",
         (
             ERASURE + "test_a_corrupt_piece_is_caught_by_its_checksum_and_the_disk_is_used[parity]",
             ERASURE + "test_a_corrupt_piece_is_caught_by_its_checksum_and_the_disk_is_used[data]",
         ),
     ),
     Mutation(
-        "memory holdings by rank not slot",
+        "orphaned copies never offered",
         "ranks that moved restore from memory",
         "src/shardpoint/training/memory_tier.py",
-        "                if d.name.startswith(\"rank\") and whose % self.per_node == self.rank % self.per_node:\n",
-        "                if d.name.startswith(\"rank\") and (whose == self.rank or kind != \"own\"):\n",
+        "                if kept_by == self.rank or (kept_by is None and self.rank =="
+        " min(self.mates)):\n",
+        "                if kept_by == self.rank:\n",
         (ERASURE + "test_a_replaced_node_that_comes_back_with_another_nodes_rank_is_rebuilt",),
     ),
     Mutation(

@@ -24,6 +24,7 @@ import json
 import mmap
 import os
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -113,6 +114,21 @@ class MemoryTier:
         self._error: BaseException | None = None
         self.base.mkdir(parents=True, exist_ok=True)
         _remove_stale_jobs(self.base.parent, keep=self.base)
+        self.mates = self._find_mates()
+
+    def _find_mates(self) -> list[int]:
+        """Collective: the ranks that use this rank's shared-memory directory (its node's),
+        found from the directory itself, not from LOCAL_WORLD_SIZE: a copy there belongs
+        to one of them, or to a rank that moved to another node (an orphan)."""
+        where = self.base.stat()
+        key = f"{socket.gethostname()}:{where.st_dev}:{where.st_ino}"
+        keys = dist.gather_json(key, 0, self.group)
+        parts = (
+            None
+            if keys is None
+            else [[r for r, k in enumerate(keys) if k == mine] for mine in keys]
+        )
+        return dist.scatter_json(parts, 0, self.group)
 
     # ---- layout ------------------------------------------------------------------------
 
@@ -490,6 +506,7 @@ class MemoryTier:
         self.restored_how = {
             how: self._role.get(how, []) for how in ("ranks_from_buddies", "ranks_rebuilt")
         }
+        partial: torch.Tensor | None = None  # an XOR sum on its way to a rebuilding rank
         for kind, other, detail in self._role["transfers"]:
             if kind == "send":
                 whose = detail["whose"]
@@ -502,14 +519,36 @@ class MemoryTier:
             elif kind == "local_piece":
                 assert rebuild is not None
                 rebuild.add(detail[1], self._piece(step, detail[0]).numpy())
+            elif kind == "chain_receive":
+                partial = torch.empty(detail["chunk_bytes"], dtype=torch.uint8)
+                dist.irecv_bytes(partial, other, 0, self.group).wait()
+            elif kind == "chain_send":
+                piece = self._piece(step, detail)
+                if _digest(piece.numpy()) != detail["hash"] and error is None:
+                    error = (
+                        f"rank {self.rank}: its piece of codeword {detail['codeword']} for "
+                        f"rank {other}'s rebuild does not match its checksum (a corrupt copy "
+                        "or parity)"
+                    )
+                if partial is not None:  # sent on even when corrupt: nobody waits forever
+                    piece.numpy().view(np.uint64)[:] ^= partial.numpy().view(np.uint64)
+                dist.isend_bytes(piece, other, 0, self.group).wait()
+                partial = None
             else:
                 assert rebuild is not None
                 piece = torch.empty(rebuild.chunk_bytes, dtype=torch.uint8)
                 dist.irecv_bytes(piece, other, 0, self.group).wait()
                 self.bytes_received += piece.numel()
                 rebuild.add(detail, piece.numpy())
+        # A corrupt piece found anywhere (an XOR sum's holder checks its own) stops every
+        # rebuild before its copy is written: one agreement, on every rank.
+        failed = dist.first_error(error, self.group)
+        if failed is not None:
+            if rebuild is not None:
+                rebuild.abandon()
+            raise CorruptCheckpointError(f"memory tier step {step} is not usable: {failed}")
         if rebuild is not None:
-            error = error or rebuild.finish()
+            error = rebuild.finish()
         mine: BaseException | None = None
         kind = 0  # the copy cannot be used; 1: another error, 2: the state does not fit
         try:
@@ -575,18 +614,30 @@ class MemoryTier:
         return out
 
     def _slot_dirs(self) -> list[tuple[str, Path]]:
-        """("own" | "held" | "parity", directory) of every rank's copies kept in this
-        rank's slot of the node: its local rank's, whichever rank had it before."""
+        """("own" | "held" | "parity", directory) of the copies this rank keeps in its
+        node's memory: its own, the replicas and parity it holds, and, on the node's
+        lowest rank, the orphans: copies of ranks no longer on this node (a restarted
+        job may number the nodes anew: torchrun orders them as they join), offered to
+        their owners by a restore and removed after the next memory save."""
+
+        def keeper(kind: str, whose: int) -> int | None:
+            if kind != "held":  # own/rankR and parity/rankR are kept by rank R
+                return whose if whose in self.mates else None
+            return next((m for m in self.mates if whose in self._held_by(m)), None)
+
         out = []
         for kind, sub in (("own", "own"), ("held", "replica"), ("parity", "parity")):
             for d in sorted((self.base / sub).iterdir()) if (self.base / sub).is_dir() else []:
-                try:
-                    whose = int(d.name[4:])
-                except ValueError:
+                if not d.name.startswith("rank") or not d.name[4:].isdigit():
                     continue
-                if d.name.startswith("rank") and whose % self.per_node == self.rank % self.per_node:
+                kept_by = keeper(kind, int(d.name[4:]))
+                if kept_by == self.rank or (kept_by is None and self.rank == min(self.mates)):
                     out.append((kind, d))
         return out
+
+    def _held_by(self, rank: int) -> set[int]:
+        """Whose replicas ``rank`` holds."""
+        return {(rank - k * self.per_node) % self.world for k in range(1, self.replicas + 1)}
 
     def close(self, *, release: bool = False) -> None:
         """Finish the save in flight (raising its error); ``release=True`` (a clean end
@@ -721,18 +772,40 @@ def _restore_roles(holdings: list[dict[str, Any]], world: int) -> list[dict[str,
             plan = rebuilds[(owner, newest)]
             assert plan is not None
             roles[owner]["rebuild"] = plan["spec"]
-            for sender, receive, send in plan["pieces"]:
-                which = {**receive, "from": sender}
-                if sender == owner:  # a piece its own slot keeps (ranks moved): no transfer
-                    roles[owner]["transfers"].append(["local_piece", owner, [send, which]])
+            k = plan["spec"]["data"]
+            for at in range(0, len(plan["pieces"]), k):  # one codeword's pieces
+                pieces = plan["pieces"][at : at + k]
+                senders = [sender for sender, _, _ in pieces]
+                if plan["spec"]["parity"] == 1 and len({owner, *senders}) == k + 1:
+                    _xor_chain(roles, owner, pieces)
                     continue
-                roles[sender]["transfers"].append(["send_piece", owner, send])
-                roles[owner]["transfers"].append(["receive_piece", sender, which])
+                for sender, receive, send in pieces:
+                    which = {**receive, "from": sender}
+                    if sender == owner:  # a piece its own slot keeps (ranks moved)
+                        roles[owner]["transfers"].append(["local_piece", owner, [send, which]])
+                        continue
+                    roles[sender]["transfers"].append(["send_piece", owner, send])
+                    roles[owner]["transfers"].append(["receive_piece", sender, which])
         elif holder != owner:
             _, is_own, files = copies[(owner, newest)]
             roles[holder]["transfers"].append(["send", owner, {"whose": owner, "own": is_own}])
             roles[owner]["transfers"].append(["receive", holder, files])
     return roles
+
+
+def _xor_chain(roles: list[dict[str, Any]], owner: int, pieces: list[tuple]) -> None:
+    """XOR parity (m = 1): a codeword's lost chunk is the XOR of its ``k`` other pieces,
+    so they are summed on the way: each holder checks its piece against its checksum,
+    XORs it into what the previous one sent and sends the sum on; the rebuilding rank
+    receives one chunk per codeword, as from a replica, not ``k``."""
+    for i, (sender, receive, send) in enumerate(pieces):
+        if i:
+            size = {"chunk_bytes": send["chunk_bytes"]}
+            roles[sender]["transfers"].append(["chain_receive", pieces[i - 1][0], size])
+        onward = pieces[i + 1][0] if i + 1 < len(pieces) else owner
+        roles[sender]["transfers"].append(["chain_send", onward, {**send, "hash": receive["hash"]}])
+    which = {"codeword": pieces[0][1]["codeword"], "index": "sum", "from": pieces[-1][0]}
+    roles[owner]["transfers"].append(["receive_piece", pieces[-1][0], which])
 
 
 def _files(d: Path) -> dict[str, int]:
@@ -785,7 +858,7 @@ class _Rebuild:
         j = which["codeword"]
         if self.error is not None:
             return
-        if _digest(piece) != which["hash"]:
+        if which["index"] != "sum" and _digest(piece) != which["hash"]:
             self.error = (
                 f"rebuilding {self.target}: piece {which['index']} of codeword {j} from rank "
                 f"{which['from']} does not match its checksum (a corrupt copy or parity)"
@@ -793,9 +866,9 @@ class _Rebuild:
             return
         got = self.pieces.setdefault(j, {})
         got[which["index"]] = piece
-        if len(got) == self.codec.k:
+        if len(got) == self.codec.k or which["index"] == "sum":
             c, want = self.wanted[j]
-            chunk = self.codec.rebuild(got, want)
+            chunk = piece if which["index"] == "sum" else self.codec.rebuild(got, want)
             del self.pieces[j]
             try:
                 for name, at, lo, hi in _spans(self.files, c, self.chunk_bytes):
@@ -805,6 +878,9 @@ class _Rebuild:
             except OSError as exc:
                 self.error = f"rebuilding {self.target}: {exc}"
             self.wanted.pop(j)
+
+    def abandon(self) -> None:
+        shutil.rmtree(self.partial, ignore_errors=True)
 
     def finish(self) -> str | None:
         """Why the copy could not be rebuilt (its partial files removed), or None."""
