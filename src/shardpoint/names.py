@@ -83,4 +83,3 @@ def writer_rank(name: str) -> int | None:
 def is_own_file(name: str) -> bool:
     """Whether a save could have written ``name`` (finished or not)."""
     return _OWN_FILE.match(name) is not None
-
