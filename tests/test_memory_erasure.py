@@ -70,7 +70,9 @@ def _manager(root: str, data: int, parity: int, events: list | None = None) -> C
         Path(root) / "disk",
         policy=SavePolicy(every_n_steps=3),
         memory=MemoryTierOptions(
-            every_n_steps=1, job="job", redundancy=ErasureCode(data=data, parity=parity)
+            every_n_steps=1,
+            job="job",  # data=0: Replicas(parity), for the tests of ranks that move
+            redundancy=ErasureCode(data=data, parity=parity) if data else Replicas(parity),
         ),
         preemption_signals=(),
         on_event=[events.append] if events is not None else (),
@@ -162,6 +164,23 @@ def test_a_replaced_node_that_comes_back_with_another_nodes_rank_is_rebuilt(tmp_
     run_ranks(3, _restore, root, 2, 1, expect)
     expect = {"step": 5, "tier": "memory", "nodes": nodes}
     run_ranks(3, _restore, root, 2, 1, expect)
+
+
+@pytest.mark.slow
+def test_with_replicas_ranks_that_swap_nodes_take_their_copies_from_where_they_are(tmp_path):
+    """Replicas(1) on 2 nodes: node 0 replaced, and the new job numbers the nodes the
+    other way round. Rank 0 now runs on old node 1, which holds rank 0's replica: it
+    takes it as its copy in place; rank 1, on the new node, receives its own copy from
+    old node 1. Nothing from the disk."""
+    from distributed import run_ranks
+
+    root = str(tmp_path)
+    run_ranks(2, _train, root, 0, 1)
+    _wipe(tmp_path, 0)
+    nodes = {0: 1, 1: 0}
+    expect = {"step": 5, "tier": "memory", "moved": [1], "nodes": nodes}
+    run_ranks(2, _restore, root, 0, 1, expect)
+    run_ranks(2, _restore, root, 0, 1, {"step": 5, "tier": "memory", "nodes": nodes})
 
 
 @pytest.mark.slow
@@ -285,6 +304,22 @@ def test_every_codeword_has_its_pieces_on_distinct_nodes_and_parity_is_balanced(
 def test_a_job_with_fewer_nodes_than_a_group_is_refused_with_the_fix():
     with pytest.raises(CheckpointError, match=r"needs 3 nodes.*has 2 nodes"):
         placement(0, 4, 2, 2, 1)
+    with pytest.raises(CheckpointError, match="not a multiple of 2 per node"):
+        placement(0, 5, 2, 2, 1)
+
+
+def test_a_codec_that_cannot_run_here_is_refused_at_start(monkeypatch):
+    """pyeclib failing (missing, or its backend not in the wheel) is a CheckpointError
+    on every rank when the tier starts, never a hang in the middle of a save."""
+    import pyeclib.ec_iface
+
+    def broken(**kwargs):  # noqa: ANN003, ANN202
+        raise RuntimeError("backend not available")
+
+    monkeypatch.setattr(pyeclib.ec_iface, "ECDriver", broken)
+    with pytest.raises(CheckpointError, match="does not work here.*backend not available"):
+        Codec(2, 2).check()
+    Codec(2, 1).check()  # XOR needs nothing
 
 
 @pytest.mark.parametrize(("k", "m"), [(2, 1), (4, 1), (2, 2), (4, 2), (3, 3)])

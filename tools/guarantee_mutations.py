@@ -84,6 +84,17 @@ MUTATIONS = [
         (ERASURE + "test_a_replaced_node_that_comes_back_with_another_nodes_rank_is_rebuilt",),
     ),
     Mutation(
+        "an orphaned replica of its owner ignored",
+        "ranks that moved restore from memory",
+        "src/shardpoint/training/memory_tier.py",
+        "        elif holder == owner and not copies[(owner, newest)][1]:\n",
+        "        elif False:\n",
+        (
+            ERASURE
+            + "test_with_replicas_ranks_that_swap_nodes_take_their_copies_from_where_they_are",
+        ),
+    ),
+    Mutation(
         "a rebuild planned with too few pieces",
         "more losses than parity fall back to the disk",
         "src/shardpoint/training/memory_tier.py",

@@ -70,6 +70,11 @@ class Placement:
 
 def placement(rank: int, world: int, per_node: int, data: int, parity: int) -> Placement:
     """The parity group of ``rank``: the same local rank on ``data + parity`` nodes."""
+    if world % per_node:
+        raise CheckpointError(
+            f"ErasureCode needs the same number of ranks on every node: {world} ranks are "
+            f"not a multiple of {per_node} per node (LOCAL_WORLD_SIZE)"
+        )
     nodes = max(world // max(per_node, 1), 1)
     size = data + parity
     if nodes < size:
@@ -98,6 +103,20 @@ class Codec:
 
     def __init__(self, k: int, m: int) -> None:
         self.k, self.m = k, m
+
+    def check(self) -> None:
+        """Raise now (a ``CheckpointError`` naming the fix) if this codec cannot run here:
+        pyeclib missing, or its backend not in the wheel."""
+        if self.m > 1:
+            try:
+                self._headers  # noqa: B018 - builds the driver and encodes one stripe
+            except CheckpointError:
+                raise
+            except Exception as exc:
+                raise CheckpointError(
+                    f"ErasureCode(parity={self.m}): pyeclib's {RS_BACKEND} does not work "
+                    f"here ({type(exc).__name__}: {exc}); use parity=1 or Replicas"
+                ) from exc
 
     def encode(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
         if self.m == 1:

@@ -93,6 +93,7 @@ class MemoryTier:
             self.placement = placement(
                 self.rank, self.world, self.per_node, redundancy.data, redundancy.parity
             )
+            Codec(self.placement.k, self.placement.m).check()  # every rank alike, at start
         else:
             self.replicas = min(redundancy.copies, nodes - 1)
         self.keep = keep
@@ -328,7 +329,11 @@ class MemoryTier:
                 continue
             t = pl.holders(j).index(me)
             data = [piece.numpy() for piece in pieces]
-            parity = codec.encode(data)[t]
+            try:
+                parity = codec.encode(data)[t]
+            except Exception as exc:  # noqa: BLE001 - the others must not wait for this rank
+                error = f"encoding codeword {j}: {type(exc).__name__}: {exc}"
+                continue
             codewords[str(j)] = {
                 "piece": pl.k + t,
                 "data_hashes": [_digest(d) for d in data],
@@ -435,6 +440,8 @@ class MemoryTier:
         for _, parent in self._slot_dirs():
             if parent not in mine:  # another rank's, left in this slot before ranks moved
                 shutil.rmtree(parent, ignore_errors=True)
+        for leftover in mine[0].glob(".rebuild-*"):  # a rebuild killed before it finished
+            shutil.rmtree(leftover, ignore_errors=True)
         for parent in mine:
             steps = sorted(self._committed_steps(parent))
             for d in parent.iterdir() if parent.is_dir() else []:
@@ -519,6 +526,14 @@ class MemoryTier:
             elif kind == "local_piece":
                 assert rebuild is not None
                 rebuild.add(detail[1], self._piece(step, detail[0]).numpy())
+            elif kind == "adopt":
+                try:
+                    if self.own_dir(step).exists():
+                        shutil.rmtree(self.own_dir(step))
+                    self.own_dir(step).parent.mkdir(parents=True, exist_ok=True)
+                    os.rename(self.replica_dir(self.rank, step), self.own_dir(step))
+                except OSError as exc:
+                    error = f"rank {self.rank}: taking its replica as its copy: {exc}"
             elif kind == "chain_receive":
                 partial = torch.empty(detail["chunk_bytes"], dtype=torch.uint8)
                 dist.irecv_bytes(partial, other, 0, self.group).wait()
@@ -786,6 +801,10 @@ def _restore_roles(holdings: list[dict[str, Any]], world: int) -> list[dict[str,
                         continue
                     roles[sender]["transfers"].append(["send_piece", owner, send])
                     roles[owner]["transfers"].append(["receive_piece", sender, which])
+        elif holder == owner and not copies[(owner, newest)][1]:
+            # Its own slot keeps a replica of it (left by the rank that held it before
+            # the ranks moved): made its own copy in place, no transfer.
+            roles[owner]["transfers"].append(["adopt", owner, None])
         elif holder != owner:
             _, is_own, files = copies[(owner, newest)]
             roles[holder]["transfers"].append(["send", owner, {"whose": owner, "own": is_own}])
@@ -868,8 +887,12 @@ class _Rebuild:
         got[which["index"]] = piece
         if len(got) == self.codec.k or which["index"] == "sum":
             c, want = self.wanted[j]
-            chunk = piece if which["index"] == "sum" else self.codec.rebuild(got, want)
             del self.pieces[j]
+            try:
+                chunk = piece if which["index"] == "sum" else self.codec.rebuild(got, want)
+            except Exception as exc:  # noqa: BLE001 - reported in the agreement, not raised
+                self.error = f"rebuilding {self.target}: decoding codeword {j}: {exc}"
+                return
             try:
                 for name, at, lo, hi in _spans(self.files, c, self.chunk_bytes):
                     with open(self.partial / name, "r+b") as f:
