@@ -27,12 +27,14 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from bench_memory_tier import timed_on_every_rank  # noqa: E402
 from bench_save_load import drop_cache  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 
@@ -85,12 +87,7 @@ def _rank(rank: int, world: int, root: str, shm: str, mb: int, spec: tuple, out:
     state = own  # every rank's own values (the tier saves each rank on its own)
     tier = MemoryTier("bench", redundancy=_redundancy(spec))
     times: dict[str, float] = {}
-
-    def timed(name: str, fn, *args) -> None:  # noqa: ANN001
-        dist.all_gather_json(None)
-        start = time.perf_counter()
-        fn(*args)
-        times[name] = time.perf_counter() - start
+    timed = partial(timed_on_every_rank, times)
 
     copies = []
     for _ in range(3):  # the best of three: the first faults fresh pages in

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -49,6 +50,16 @@ def _state(rank: int, world: int, mb: int, fill: bool) -> dict:
     return out
 
 
+def timed_on_every_rank(times: dict[str, float], name: str, fn, *args) -> None:  # noqa: ANN001
+    """``times[name]``: the seconds ``fn(*args)`` takes, every rank starting together."""
+    from shardpoint import dist
+
+    dist.all_gather_json(None)
+    start = time.perf_counter()
+    fn(*args)
+    times[name] = time.perf_counter() - start
+
+
 def _rank(rank: int, world: int, root: str, shm: str, mb: int, endpoint: str, bucket: str) -> None:
     import shardpoint
     from shardpoint import dist
@@ -65,12 +76,7 @@ def _rank(rank: int, world: int, root: str, shm: str, mb: int, endpoint: str, bu
     state = _state(rank, world, mb, fill=True)
     tier = MemoryTier("bench")
     times: dict[str, float] = {}
-
-    def timed(name: str, fn, *args) -> None:  # noqa: ANN001
-        dist.all_gather_json(None)
-        start = time.perf_counter()
-        fn(*args)
-        times[name] = time.perf_counter() - start
+    timed = partial(timed_on_every_rank, times)
 
     # The transport floor: the same bytes once each way between the two "nodes".
     payload = torch.cat([t.to_local().reshape(-1) for t in state.values()]).view(torch.uint8)

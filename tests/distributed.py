@@ -150,6 +150,24 @@ def run_ranks_outcomes(
     return outcomes
 
 
+def count_disk_reads(under: str | os.PathLike[str]) -> list[int]:
+    """Count the bytes this process reads from local directories under ``under`` from
+    now on: the returned one-item list's value (``LocalDirectory.read_ranges`` wrapped)."""
+    from shardpoint.storage.local import LocalDirectory
+
+    total = [0]
+    real = LocalDirectory.read_ranges
+    prefix = str(under)
+
+    def counting(self, requests, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        if str(self.root).startswith(prefix):
+            total[0] += sum(s.end - s.offset for ss in requests.values() for s in ss)
+        return real(self, requests, **kwargs)
+
+    LocalDirectory.read_ranges = counting
+    return total
+
+
 def count_received(log: list[tuple[str, int]]) -> None:
     """Record every torch.distributed call of this rank and the bytes it received."""
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from distributed import count_disk_reads
 
 from shardpoint import (
     CheckpointManager,
@@ -23,7 +24,6 @@ from shardpoint import (
     SavePolicy,
 )
 from shardpoint.errors import CheckpointError
-from shardpoint.storage.local import LocalDirectory
 from shardpoint.training.erasure import Codec, Placement, placement, rs_width
 
 
@@ -95,16 +95,7 @@ def _train(rank: int, world: int, root: str, data: int, parity: int) -> None:
 
 def _restore(rank: int, world: int, root: str, data: int, parity: int, expect: dict) -> None:
     _node(rank, root, expect.get("nodes"))
-    disk_bytes = [0]
-    real = LocalDirectory.read_ranges
-    disk = str(Path(root) / "disk")
-
-    def counting(self, requests, **kwargs):  # noqa: ANN001, ANN003, ANN202
-        if str(self.root).startswith(disk):
-            disk_bytes[0] += sum(s.end - s.offset for ss in requests.values() for s in ss)
-        return real(self, requests, **kwargs)
-
-    LocalDirectory.read_ranges = counting
+    disk_bytes = count_disk_reads(Path(root) / "disk")
     events: list[dict] = []
     manager = _manager(root, data, parity, events)
     mesh = _mesh(world)

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import count_received
+from distributed import count_disk_reads, count_received
 
 import shardpoint
 from shardpoint import CheckpointError, CheckpointManager, MemoryTierOptions, SavePolicy
-from shardpoint.storage.local import LocalDirectory
 from shardpoint.training.memory_tier import MemoryTier
 
 
@@ -70,16 +69,7 @@ def _restore(rank: int, world: int, root: str, expect_from_buddy: list[int]) -> 
 
     _node_env(rank, root)
     mesh = init_device_mesh("cpu", (world,))
-    disk_bytes = [0]
-    real = LocalDirectory.read_ranges
-    disk = str(Path(root) / "disk")
-
-    def counting(self, requests, **kwargs):  # noqa: ANN001, ANN003, ANN202
-        if str(self.root).startswith(disk):
-            disk_bytes[0] += sum(s.end - s.offset for ss in requests.values() for s in ss)
-        return real(self, requests, **kwargs)
-
-    LocalDirectory.read_ranges = counting
+    disk_bytes = count_disk_reads(Path(root) / "disk")
     log: list[tuple[str, int]] = []
     count_received(log)
     manager = _manager(root)

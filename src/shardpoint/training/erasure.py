@@ -90,6 +90,15 @@ def placement(rank: int, world: int, per_node: int, data: int, parity: int) -> P
     return Placement(tuple(n * per_node + local for n in range(g * size, last)), parity)
 
 
+def _xor(pieces: list[np.ndarray]) -> np.ndarray:
+    """The XOR of equal-sized pieces (sizes a multiple of 8: XORed as uint64 words)."""
+    out = pieces[0].copy()
+    words = out.view(np.uint64)
+    for piece in pieces[1:]:
+        words ^= piece.view(np.uint64)
+    return out
+
+
 def rs_width(k: int) -> int:
     """Bytes of each data chunk per pyeclib call: a multiple of 64, so that a stripe's
     fragments carry exactly that much payload (no alignment padding)."""
@@ -120,11 +129,7 @@ class Codec:
 
     def encode(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
         if self.m == 1:
-            parity = chunks[0].copy()
-            words = parity.view(np.uint64)
-            for chunk in chunks[1:]:
-                words ^= chunk.view(np.uint64)
-            return [parity]
+            return [_xor(chunks)]
         width = rs_width(self.k)
         out = [np.empty_like(chunks[0]) for _ in range(self.m)]
         for lo in range(0, chunks[0].size, width):
@@ -140,13 +145,8 @@ class Codec:
         """Piece ``want`` from ``k`` others (``pieces``: index -> piece)."""
         if len(pieces) < self.k:
             raise CheckpointError(f"rebuilding needs {self.k} pieces, got {len(pieces)}")
-        if self.m == 1:
-            given = list(pieces.values())
-            out = given[0].copy()
-            words = out.view(np.uint64)
-            for piece in given[1:]:
-                words ^= piece.view(np.uint64)
-            return out
+        if self.m == 1:  # any piece is the XOR of all the others
+            return _xor(list(pieces.values()))
         width = rs_width(self.k)
         some = next(iter(pieces.values()))
         out = np.empty_like(some)

@@ -467,8 +467,7 @@ class MemoryTier:
 
     def _replica_parents(self) -> list[Path]:
         """The replica directories this rank holds (other ranks of the node hold others)."""
-        held = [(self.rank - k * self.per_node) % self.world for k in range(1, self.replicas + 1)]
-        return [self.base / "replica" / f"rank{r:05d}" for r in held]
+        return [self.base / "replica" / f"rank{r:05d}" for r in sorted(self._held_by(self.rank))]
 
     def _held_parents(self) -> list[Path]:
         """Every directory of what this rank holds for others: replicas, or its parity."""
