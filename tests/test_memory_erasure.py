@@ -344,3 +344,16 @@ def test_the_parity_manifest_is_written_last(tmp_path):
     _write_last(target, json.dumps({"a": 1}).encode())
     assert json.loads(target.read_bytes()) == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == [PARITY_MANIFEST]
+
+
+def test_the_partial_files_of_a_killed_rebuild_are_removed_by_the_next_save(tmp_path):
+    from shardpoint.training.memory_tier import MemoryTier
+
+    tier = MemoryTier("job", root=tmp_path)
+    leftover = tier.own_dir(4).parent / ".rebuild-step-000000004"
+    leftover.mkdir(parents=True)
+    (leftover / "rank00000-00000.safetensors").write_bytes(b"\0" * 100)
+    tier.save(5, {"w": torch.ones(10)})
+    tier.wait()
+    assert sorted(p.name for p in tier.own_dir(5).parent.iterdir()) == ["step-000000005"]
+    tier.close(release=True)
