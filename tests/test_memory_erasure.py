@@ -338,10 +338,10 @@ def test_the_old_replicas_spelling_names_the_new_one():
 def test_the_parity_manifest_is_written_last(tmp_path):
     """A parity copy is offered only once its manifest exists, and the manifest appears
     whole (written under another name, then renamed)."""
-    from shardpoint.training.memory_tier import PARITY_MANIFEST, _write_last
+    from shardpoint.training.memory_tier import PARITY_MANIFEST, write_manifest
 
     target = tmp_path / PARITY_MANIFEST
-    _write_last(target, json.dumps({"a": 1}).encode())
+    write_manifest(tmp_path, {"a": 1})
     assert json.loads(target.read_bytes()) == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == [PARITY_MANIFEST]
 

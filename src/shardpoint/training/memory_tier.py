@@ -353,7 +353,7 @@ class MemoryTier:
                 "codewords": codewords,
             }
             try:
-                _write_last(target / PARITY_MANIFEST, json.dumps(manifest).encode())
+                write_manifest(target, manifest)
             except OSError as exc:
                 error = f"writing {target / PARITY_MANIFEST}: {exc}"
         if error is not None:
@@ -946,8 +946,7 @@ def _digest(data: np.ndarray) -> str:
     return xxhash.xxh3_64_hexdigest(memoryview(data))
 
 
-def _write_last(path: Path, data: bytes) -> None:
-    """Write ``data`` under a temporary name and rename it: it appears whole or not."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+def write_manifest(parity_dir: Path, manifest: dict[str, Any]) -> None:
+    """The parity copy's manifest, written last and whole (the storage layer's
+    temporary name and rename): a parity copy without it is not offered."""
+    open_storage(parity_dir).write_small_durably(PARITY_MANIFEST, json.dumps(manifest).encode())
