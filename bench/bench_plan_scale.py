@@ -49,16 +49,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardpoint import saving
+from shardpoint import save_commit, save_plan, save_records
 from shardpoint.format.index import (
     Chunk,
     Index,
     TensorEntry,
     fragment_json,
-    parse_fragment,
-    parse_index,
 )
 from shardpoint.format.index import checksum as digest_of
+from shardpoint.format.parse import parse_fragment, parse_index
 from shardpoint.gc_pause import gc_paused
 from shardpoint.names import fragment_file, shard_file
 from shardpoint.plan import Holding
@@ -141,11 +140,11 @@ def _real_dtensor_child(name: str, ranks: int, params: int) -> None:
     for _ in range(2):  # the first save also reads each mesh's ranks once
         start = time.perf_counter()
         flat = flatten(state, rank=1)
-        held, aliases, _, _ = saving._holdings(
+        held, aliases, _, _ = save_plan._holdings(
             flat.tensors, True, flat.rank_tensors, with_tokens=False
         )
-        saving._structure_digest(held, aliases)
-        saving._digest(saving._sharded_entries(held))
+        save_plan._structure_digest(held, aliases)
+        save_plan._digest(save_plan._sharded_entries(held))
         times.append(time.perf_counter() - start)
     assert sum(1 for h in held if h.sharding is not None) == params
     load_s = _real_load_plan(state, sharding, shape)
@@ -161,7 +160,7 @@ def _real_load_plan(state: dict[str, Any], sharding: Sharding, shape: tuple[int,
     job's index and rank 1's fragment (no shard file: nothing is read): open and parse,
     match the state, and find each region's chunks."""
     from shardpoint import loading
-    from shardpoint.format.index import marker_json
+    from shardpoint.format.marker import marker_json
 
     ranks = len(sharding.mesh.ranks)
     names = [n for n, t in state.items() if n.endswith(".weight") and ".p" in n]
@@ -224,9 +223,9 @@ def v2_case(name: str, ranks: int, params: int) -> dict[str, float]:
     # Each rank's save planning (rank 1 stands for any rank).
     start = time.perf_counter()
     held = holdings_of(1, params, sharding, shape)
-    own = saving._structure_digest(held, {})
-    sharded = saving._sharded_entries(held)
-    listed = saving._digest(sharded)
+    own = save_plan._structure_digest(held, {})
+    sharded = save_plan._sharded_entries(held)
+    listed = save_plan._digest(sharded)
     out["save_plan_steady_s"] = time.perf_counter() - start  # a reused plan: nothing more
     # On a structure change rank 0 plans from every rank's facts and one distinct
     # structure (every rank's is the same here), and each rank decodes its part.
@@ -237,12 +236,12 @@ def v2_case(name: str, ranks: int, params: int) -> dict[str, float]:
     )
     gathered = [([own, sole, r // 8, r % 8 == 0], structure) for r in range(ranks)]
     start = time.perf_counter()
-    job = saving._plan_job(gathered, False)
+    job = save_plan._plan_job(gathered, False)
     out["save_replan_rank0_s"] = time.perf_counter() - start
     assert job.conflict is None and len(job.table) == params
     out["save_replan_part_bytes"] = max(len(json.dumps(p)) for p in job.parts)
     start = time.perf_counter()  # per-node mode (8 ranks per node): a plan per node
-    saving._plan_job(gathered, True)
+    save_plan._plan_job(gathered, True)
     out["save_replan_per_node_rank0_s"] = time.perf_counter() - start
     table = job.table
     out["structure_list_digest"] = len(listed)
@@ -261,7 +260,7 @@ def v2_case(name: str, ranks: int, params: int) -> dict[str, float]:
     # them all.
     nodes = [r // 8 for r in range(ranks)]
     reports = [
-        saving.WriteResult(
+        save_records.WriteResult(
             files={shard_file(r, 0): 400_000_000, fragment_file(r): 1_000_000},
             fragment=(1_000_000, "0123456789abcdef"),
             fragment_files=[shard_file(r, 0)],
@@ -270,7 +269,7 @@ def v2_case(name: str, ranks: int, params: int) -> dict[str, float]:
     ]
     for i, h in enumerate(norms):  # the first node's ranks write the replicated norms
         reports[i % 8].chunks.append(
-            saving.ChunkRecord(h.name, h.dtype, h.global_shape,
+            save_records.ChunkRecord(h.name, h.dtype, h.global_shape,
                                chunk_for(h.name, i, i % 8, h.offsets, h.shape, 4),
                                (h.offsets, h.shape))
         )  # fmt: skip
@@ -288,11 +287,11 @@ def v2_case(name: str, ranks: int, params: int) -> dict[str, float]:
     out["per_node_rank0_s"] = time.perf_counter() - start
     start = time.perf_counter()
     decoded = json.loads(payload)
-    results = [saving.WriteResult.from_json(d) for d in decoded["results"]]
-    node_table = saving._sharded_table(decoded["sharded"])
+    results = [save_records.WriteResult.from_json(d) for d in decoded["results"]]
+    node_table = save_records.sharded_table(decoded["sharded"])
     decode_s = time.perf_counter() - start
     start = time.perf_counter()
-    node_index = saving._index(
+    node_index = save_commit.build_index(
         stand_in, decoded["tree"], results, None, node_table, decoded["created"], 5, nodes
     )
     node_raw = node_index.to_json()
@@ -324,7 +323,7 @@ def v2_case(name: str, ranks: int, params: int) -> dict[str, float]:
 
 
 class _PlanStandIn:
-    """What ``saving._index`` reads of a save's plan: every rank's aliases and node."""
+    """What ``save_commit.build_index`` reads of a save's plan: every rank's aliases and node."""
 
     def __init__(self, structures: list[dict]) -> None:
         self.structures = structures
@@ -458,7 +457,7 @@ def ddp_replan_case(ranks: int, params: int) -> dict[str, float]:
     gathered = [(facts, structure) for _ in range(ranks)]
     with gc_paused():
         start = time.perf_counter()
-        job = saving._plan_job(gathered, False)
+        job = save_plan._plan_job(gathered, False)
         plan_s = time.perf_counter() - start
     told = len(json.dumps([facts, "0123456789abcdef0123456789abcdef", None]))
     return {

@@ -45,8 +45,8 @@ from bench_object_store import start_server  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 
 import shardpoint  # noqa: E402
+from shardpoint.defaults import DEFAULT_THREADS  # noqa: E402
 from shardpoint.names import step_dir, writer_rank  # noqa: E402
-from shardpoint.saving import DEFAULT_THREADS  # noqa: E402
 from shardpoint.storage import open_storage  # noqa: E402
 from shardpoint.storage.transfer import copy_files  # noqa: E402
 

@@ -154,15 +154,15 @@ def inject_object_store_faults(fail: bool, kill_at: int | None) -> None:
 def slow_down_disk_saves(seconds: float) -> None:
     """Every synchronous save's writes take ``seconds`` longer (a slow disk); the memory
     tier's saves (staged, then written in the background) do not."""
-    from shardpoint import saving
+    from shardpoint import write_phase
 
-    real = saving.write_from_memory
+    real = write_phase.write_from_memory
 
     def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         time.sleep(seconds)
         return real(*args, **kwargs)
 
-    saving.write_from_memory = slow
+    write_phase.write_from_memory = slow
 
 
 def write_json(path: Path, doc: dict) -> None:

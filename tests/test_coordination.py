@@ -77,18 +77,18 @@ def _save_whose_plan_fails(rank: int, world: int, root: str) -> None:
     import torch
 
     import shardpoint
-    from shardpoint import saving
+    from shardpoint import save_plan
     from shardpoint.errors import CheckpointError
 
     state = {"w": torch.ones(4), "step": 1}
-    real = saving._plan_job
-    saving._plan_job = lambda *a: (_ for _ in ()).throw(RuntimeError("planner bug"))
+    real = save_plan._plan_job
+    save_plan._plan_job = lambda *a: (_ for _ in ()).throw(RuntimeError("planner bug"))
     try:
         shardpoint.save(state, f"{root}/ckpt")
         raised = None
     except (RuntimeError, CheckpointError) as exc:
         raised = type(exc).__name__
-    saving._plan_job = real
+    save_plan._plan_job = real
     shardpoint.save(state, f"{root}/ckpt")  # the directory was released: saving works
     Path(root, f"save{rank}.json").write_text(json.dumps(raised))
 

@@ -74,10 +74,10 @@ KEEP_LAST = 2
 
 # The library function nearest to an OS call on its thread's stack gives the call's phase.
 PHASE_OF_FUNCTION = {
-    ("saving.py", "_commit"): "commit",
+    ("save_commit.py", "_commit"): "commit",
     ("commit.py", "delete"): "retention",
     ("commit.py", "begin"): "prepare",
-    ("saving.py", "write_from_memory"): "write",
+    ("write_phase.py", "write_from_memory"): "write",
     ("background_save.py", "open"): "write",  # _Persist.open: creates the shard files
     ("background_save.py", "_write"): "write",
     ("background_save.py", "finish"): "write",  # ftruncate and fsync of the shards

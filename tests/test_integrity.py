@@ -342,12 +342,12 @@ def test_an_io_error_at_every_write_call_fails_cleanly(tmp_path, monkeypatch, co
 
 
 def test_a_failure_that_is_not_an_io_error_also_leaves_nothing(tmp_path, monkeypatch):
-    import shardpoint.saving as saving
+    import shardpoint.write_phase as write_phase
 
     def broken_checksums(*args, **kwargs):
         raise RuntimeError("checksum worker crashed")
 
-    monkeypatch.setattr(saving, "block_checksums", broken_checksums)
+    monkeypatch.setattr(write_phase, "block_checksums", broken_checksums)
     with pytest.raises(CheckpointError, match="checksum worker crashed"):
         shardpoint.save({"a": torch.ones(10)}, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()

@@ -277,7 +277,8 @@ def _save_with_node_1_failing_its_commit(rank: int, world: int, root: str) -> No
 
     from shardpoint.commit import Commit
     from shardpoint.errors import CheckpointError
-    from shardpoint.saving import SaveOptions, run_save
+    from shardpoint.save_records import SaveOptions
+    from shardpoint.saving import run_save
     from shardpoint.storage import open_storage
     from shardpoint.storage.local import LocalDirectory
 
@@ -323,7 +324,8 @@ def test_a_node_that_cannot_commit_makes_every_node_withdraw_its_copy(tmp_path):
 
 
 def _steady_per_node_saves(rank: int, world: int, root: str) -> None:
-    from shardpoint.saving import SaveOptions, run_save
+    from shardpoint.save_records import SaveOptions
+    from shardpoint.saving import run_save
     from shardpoint.storage import open_storage
 
     node = _as_node(rank)

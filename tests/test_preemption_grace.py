@@ -25,7 +25,7 @@ import torch
 from distributed import _free_port
 
 import shardpoint
-from shardpoint import CheckpointManager, MemoryTierOptions, SavePolicy, saving
+from shardpoint import CheckpointManager, MemoryTierOptions, SavePolicy, write_phase
 
 WORKER = Path(__file__).resolve().parent / "multi_node_train.py"
 NODES, PER_NODE = 2, 2
@@ -38,13 +38,13 @@ LAUNCH_TIMEOUT = 240
 
 
 def _slow_disk(monkeypatch, seconds: float) -> None:
-    real = saving.write_from_memory
+    real = write_phase.write_from_memory
 
     def slow(*args, **kwargs):
         time.sleep(seconds)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(saving, "write_from_memory", slow)
+    monkeypatch.setattr(write_phase, "write_from_memory", slow)
 
 
 def _manager(tmp_path, monkeypatch, *, memory: bool, grace: float) -> CheckpointManager:

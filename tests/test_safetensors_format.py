@@ -278,9 +278,9 @@ def test_files_end_before_their_header_could_pass_the_readers_limit(tmp_path, mo
     import struct
 
     import shardpoint
-    import shardpoint.saving as saving
+    import shardpoint.layout as layout
 
-    monkeypatch.setattr(saving, "HEADER_BUDGET", 4096)
+    monkeypatch.setattr(layout, "HEADER_BUDGET", 4096)
     state = {f"layer.{i}.{'x' * 40}": torch.full((2,), float(i)) for i in range(100)}
     shardpoint.save(state, tmp_path / "c")
     files = sorted(p.name for p in (tmp_path / "c").glob("*.safetensors"))

@@ -237,13 +237,13 @@ def test_a_sharded_tensor_that_changes_shape_on_every_rank_is_saved_with_a_new_p
 def _restarted_saves(rank: int, world: int, root: str, port: int, replaced: bool) -> None:
     import torch.distributed as torch_dist
 
-    from shardpoint import saving
+    from shardpoint import save_plan
 
     for step in range(2):  # the plan is cached on every rank
         shardpoint.save(_state(rank, step, 2), f"{root}/step{step}")
     torch_dist.destroy_process_group()
     if replaced and rank == 1:  # a new process in its place: nothing of shardpoint's cached
-        saving._PLANS.clear()
+        save_plan.PLANS.clear()
         sp_dist._WORLD = sp_dist._CPU_GROUP = None
     torch_dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world

@@ -128,7 +128,7 @@ def test_a_background_again_covers_every_held_chunk_once_around_the_steady_ranks
     share do, or every chunk still held is covered exactly once (per node in per-node
     mode) by ranks that hold it, each steady rank writing exactly its cached pieces."""
     from shardpoint.errors import CheckpointError
-    from shardpoint.saving import _plan_writes, _writes_around_staged
+    from shardpoint.plan import plan_writes_per_node, writes_around_staged
 
     rng = random.Random(seed)
     world = rng.randint(2, 6)
@@ -138,7 +138,7 @@ def test_a_background_again_covers_every_held_chunk_once_around_the_steady_ranks
     common = [_holding(i, big if i == 0 else rng.randint(1, 40)) for i in range(6)]
     old = [common if rng.random() < 0.6 else rng.sample(common, 4) for _ in range(world)]
     sole = [rng.randint(0, 1000) for _ in range(world)]
-    cached = _plan_writes(sole, old, nodes, per_node)
+    cached = plan_writes_per_node(sole, old, nodes, per_node)
     kept = [
         [
             [p.name, p.offsets, p.shape, p.source.offsets, p.source.shape]
@@ -181,7 +181,7 @@ def test_a_background_again_covers_every_held_chunk_once_around_the_steady_ranks
         for p in cached
     )
     try:
-        pieces = _writes_around_staged(steady, kept, sole, new, nodes, per_node)
+        pieces = writes_around_staged(steady, kept, sole, new, nodes, per_node)
     except CheckpointError as exc:
         assert expect_refusal, exc
         assert "cannot be completed from what was staged" in str(exc)

@@ -119,7 +119,7 @@ MUTATIONS = [
     Mutation(
         "no marker on 2 ranks",
         "visible ⇒ complete (2 ranks)",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_commit.py",
         "                    plan.commit.finish(index.to_json())\n",
         "                    if len(results) == 1:\n"
         "                        plan.commit.finish(index.to_json())\n",
@@ -153,7 +153,7 @@ MUTATIONS = [
     Mutation(
         "chunk tiling not checked",
         "hostile input gives typed errors only",
-        "src/shardpoint/format/index.py",
+        "src/shardpoint/format/parse.py",
         "        _check_cover(name, shape, chunks, where, boxes)\n",
         "",
         (
@@ -165,7 +165,7 @@ MUTATIONS = [
     Mutation(
         "many chunks not checked",
         "hostile input gives typed errors only",
-        "src/shardpoint/format/index.py",
+        "src/shardpoint/format/coverage.py",
         "    sizes = list(map(files.get, [c.file for c in chunks]))\n",
         "    return True\n",
         (MANY_CHUNKS + "test_a_bad_chunk_among_many_is_named_as_among_few",),
@@ -173,7 +173,7 @@ MUTATIONS = [
     Mutation(
         "many chunks past their file",
         "hostile input gives typed errors only",
-        "src/shardpoint/format/index.py",
+        "src/shardpoint/format/coverage.py",
         "    if not ((end - begin == size.prod(axis=1) * item) & (end <= np.array(sizes))).all():",
         "    if not (end - begin == size.prod(axis=1) * item).all():",
         (MANY_CHUNKS + "test_a_bad_chunk_among_many_is_named_as_among_few",),
@@ -181,7 +181,7 @@ MUTATIONS = [
     Mutation(
         "many chunks' overlap not sorted out",
         "index checks stay linear",
-        "src/shardpoint/format/index.py",
+        "src/shardpoint/format/coverage.py",
         "        return bool((hi[order[:-1], 0] <= lo[order[1:], 0]).all())",
         "        return True",
         (MANY_CHUNKS + "test_two_of_many_chunks_that_overlap_are_refused",),
@@ -189,7 +189,7 @@ MUTATIONS = [
     Mutation(
         "a grid of many chunks not matched",
         "index checks stay linear",
-        "src/shardpoint/format/index.py",
+        "src/shardpoint/format/coverage.py",
         "        return len(np.unique(np.stack(cells, axis=1), axis=0)) == len(lo)",
         "        return True",
         (MANY_CHUNKS + "test_two_of_many_chunks_that_overlap_are_refused",),
@@ -358,7 +358,7 @@ MUTATIONS = [
     Mutation(
         "replicated state once per job",
         "a node restores from its own disk alone",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/plan.py",
         "    if not per_node:\n        return plan_writes(load, replicated)\n",
         "    if True:\n        return plan_writes(load, replicated)\n",
         (
@@ -369,7 +369,7 @@ MUTATIONS = [
     Mutation(
         "stale plan reused",
         "few collectives, never a stale plan",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_plan.py",
         "        unsettled = own_error is not None or own != cached.own\n",
         "        unsettled = own_error is not None\n",
         (
@@ -388,7 +388,7 @@ MUTATIONS = [
     Mutation(
         "plans kept across process groups",
         "few collectives, never a stale plan",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_plan.py",
         "    generation = dist.generation()\n",
         "    generation = 0\n",
         (RESTART + "rank-1-replaced]",),
@@ -397,9 +397,8 @@ MUTATIONS = [
         "speculative save not tried again",
         "few collectives, never a stale plan",
         "src/shardpoint/saving.py",
-        "        except _Unsettled:  # a speculative save met a change: again, agreed first\n"
-        "            return _run_phases(",
-        "        except ZeroDivisionError:\n            return _run_phases(",
+        "                plan = plan_save(state, storage, options, group=group)\n",
+        "                raise RuntimeError(outcome.why)\n",
         (
             "tests/test_speculative_saves.py::"
             "test_an_unchanged_save_onto_a_crashed_saves_leftovers_commits_and_clears_them",
@@ -408,7 +407,7 @@ MUTATIONS = [
     Mutation(
         "background saves agree before staging",
         "few collectives, never a stale plan",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_plan.py",
         "    speculative = cached is not None\n",
         "    speculative = cached is not None and not staged\n",
         (
@@ -454,7 +453,7 @@ MUTATIONS = [
     Mutation(
         "steady files removed on again",
         "a background save holds the state at the call",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_commit.py",
         "        if again and plan.staged:  # the steady ranks' files stay",
         "        if again and plan.staged and False:  # the steady ranks' files stay",
         (
@@ -465,7 +464,7 @@ MUTATIONS = [
     Mutation(
         "a piece nobody staged dropped",
         "a background save holds the state at the call",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/plan.py",
         "            if any(key in c for c in held_by):\n",
         "            if False:\n",
         (
@@ -476,8 +475,8 @@ MUTATIONS = [
     Mutation(
         "new chunks of a background again not planned",
         "a background save holds the state at the call",
-        "src/shardpoint/saving.py",
-        "    return pieces + _plan_writes(load, lists, nodes, per_node)\n",
+        "src/shardpoint/plan.py",
+        "    return pieces + plan_writes_per_node(load, lists, nodes, per_node)\n",
         "    return pieces\n",
         (
             BACKGROUND + "test_a_background_save_in_which_every_rank_changed_is_planned_again_"
@@ -489,7 +488,7 @@ MUTATIONS = [
     Mutation(
         "a background again's cover not per node",
         "a background save holds the state at the call",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/plan.py",
         "            cut.add((*key, nodes[rank] if per_node else None))\n",
         "            cut.add((*key, None))\n",
         (
@@ -500,7 +499,7 @@ MUTATIONS = [
     Mutation(
         "a background again's orphan to another node",
         "a background save holds the state at the call",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/plan.py",
         " if not per_node or nodes[r] == node]\n",
         "]\n",
         (
@@ -511,7 +510,7 @@ MUTATIONS = [
     Mutation(
         "a steady rank's fragment chunks not chained",
         "an incremental save refers only to committed checkpoints",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_commit.py",
         "    records, sizes = [*result.chunks, *result.in_fragment], ",
         "    records, sizes = result.chunks, ",
         (
@@ -522,7 +521,7 @@ MUTATIONS = [
     Mutation(
         "a failed lock kept by a background save",
         "earlier checkpoints and other saves are never damaged (speculative writes)",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_plan.py",
         "        if own_error is not None and commit_ is not None:\n",
         "        if own_error is not None and commit_ is not None and not staged:\n",
         (
@@ -533,7 +532,7 @@ MUTATIONS = [
     Mutation(
         "a background save writes into a leftover's name",
         "earlier checkpoints and other saves are never damaged (speculative writes)",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/write_phase.py",
         "            elif plan.speculative and _taken(plan, files):\n",
         "            elif False:\n",
         (
@@ -545,7 +544,7 @@ MUTATIONS = [
     Mutation(
         "leftovers not cleared before a background again",
         "earlier checkpoints and other saves are never damaged (speculative writes)",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_plan.py",
         "            plan.commit.clear(keep=set(every_kept or ()))\n",
         "            pass\n",
         (
@@ -557,7 +556,7 @@ MUTATIONS = [
     Mutation(
         "a background failure tried again",
         "a background save holds the state at the call",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_commit.py",
         "        if outcome is not None and plan.speculative and (changed or not plan.staged):\n",
         "        if outcome is not None and plan.speculative:\n",
         (
@@ -613,7 +612,7 @@ MUTATIONS = [
     Mutation(
         "no marker check before a speculative write",
         "earlier checkpoints and other saves are never damaged (speculative writes)",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_plan.py",
         "            if Commit(storage).is_committed():\n",
         "            if False:\n",
         (
@@ -624,7 +623,7 @@ MUTATIONS = [
     Mutation(
         "leftovers not cleared at the commit",
         "a committed checkpoint holds only its own files",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_commit.py",
         "                    plan.commit.clear(keep=index.files)\n",
         "",
         (
@@ -646,7 +645,7 @@ MUTATIONS = [
     Mutation(
         "index inputs relayed to every rank",
         "what a rank receives per save does not grow with the ranks (node-local copies)",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_commit.py",
         "        if plan.commit is not None:  # it commits its node's copy: it needs the inputs\n"
         "            leaders = [0, *(r for r, s in enumerate(plan.structures)"
         ' if s["leader"] and r)]\n',
@@ -659,7 +658,7 @@ MUTATIONS = [
     Mutation(
         "a node's copy not withdrawn",
         "visible ⇒ complete (node-local copies)",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_commit.py",
         "        if plan.commit is not None and error is None:\n",
         "        if False:\n",
         (
@@ -692,7 +691,7 @@ MUTATIONS = [
     Mutation(
         "fragment geometry not checked",
         "hostile input gives typed errors only (format version 2 fragments)",
-        "src/shardpoint/format/index.py",
+        "src/shardpoint/format/parse.py",
         "                or (chunk.offsets, chunk.shape) != sharding.box(entry.shape, coord)\n",
         "                or False\n",
         ("tests/test_format_v2.py::test_a_fragment_that_lies_about_a_chunk_is_refused",),
@@ -700,7 +699,7 @@ MUTATIONS = [
     Mutation(
         "HSDP replicas all write",
         "every byte written once (format version 2 shardings with replicas)",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_plan.py",
         "    return coord is not None and h.sharding.writer(coord) == rank",
         "    return coord is not None",
         (
@@ -859,7 +858,7 @@ MUTATIONS = [
     Mutation(
         "save structure all-gathered",
         "what a rank receives does not grow with the ranks (save planning)",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_plan.py",
         "    failed, gathered = dist.gather_distinct_json(facts, structure, error, 0, group)\n",
         "    everyone = dist.all_gather_json([facts, structure, error], group)\n"
         "    failed = next((e for _, _, e in everyone if e), None)\n"
@@ -971,7 +970,7 @@ MUTATIONS = [
     Mutation(
         "chain advances on failure",
         "an incremental save refers only to committed checkpoints",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_commit.py",
         "    records, sizes = [*result.chunks, *result.in_fragment], "
         "{**result.files, **result.referenced}\n",
         "    records, sizes = [*result.chunks, *result.in_fragment], "
@@ -1009,7 +1008,7 @@ MUTATIONS = [
     Mutation(
         "mesh ranks held one by one",
         "hostile input gives typed errors only (a mesh's rank count)",
-        "src/shardpoint/format/index.py",
+        "src/shardpoint/format/parse.py",
         "            ranks: Sequence[int] = range(first, first + count)\n",
         "            ranks: Sequence[int] = tuple(range(first, first + count))\n",
         (V2_HUGE_MESH,),
@@ -1058,7 +1057,7 @@ MUTATIONS = [
     Mutation(
         "fragment value's tensors not looked up",
         "hostile input gives typed errors only (values kept in fragments)",
-        "src/shardpoint/format/index.py",
+        "src/shardpoint/format/parse.py",
         "                if tensor not in entries and not elsewhere:\n",
         "                if False:\n",
         (FRAGMENT_VALUES + "[tensor-held-nowhere]",),
@@ -1066,7 +1065,7 @@ MUTATIONS = [
     Mutation(
         "fragment in a fragment followed",
         "hostile input gives typed errors only (values kept in fragments)",
-        "src/shardpoint/format/index.py",
+        "src/shardpoint/format/parse.py",
         '    raise ValueError("a value kept in a fragment refers to a fragment again")\n',
         "    return None\n",
         (FRAGMENT_VALUES + "[fragment-in-a-fragment]",),
@@ -1084,7 +1083,7 @@ MUTATIONS = [
     Mutation(
         "the rest of a refused index not checked to be JSON",
         "hostile input gives typed errors only",
-        "src/shardpoint/format/index.py",
+        "src/shardpoint/format/parse.py",
         "    _decode(_DECODE_JSON, raw, where)\n",
         "",
         (
@@ -1177,7 +1176,7 @@ MUTATIONS = [
     Mutation(
         "whole chunks past their file",
         "hostile input gives typed errors only",
-        "src/shardpoint/format/index.py",
+        "src/shardpoint/format/coverage.py",
         "    if not ((end - begin == nbytes) & (end <= np.array(sizes, np.int64))).all():\n",
         "    if not (end - begin == nbytes).all():\n",
         (MANY_CHUNKS + "test_a_bad_whole_tensor_chunk_among_many_is_named",),
@@ -1313,7 +1312,7 @@ MUTATIONS = [
     Mutation(
         "conjugate view saved as an alias",
         "exact resume (values as shown)",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/save_plan.py",
         "            part = part.resolve_conj().resolve_neg()\n",
         "            pass\n",
         (
@@ -1374,7 +1373,7 @@ MUTATIONS = [
     Mutation(
         "header past the readers' limit",
         "open format (every file readable)",
-        "src/shardpoint/saving.py",
+        "src/shardpoint/layout.py",
         " or header + entry > HEADER_BUDGET):\n",
         "):\n",
         (

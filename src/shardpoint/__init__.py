@@ -22,7 +22,8 @@ from .hf import export_hf, import_hf, load_hf
 from .incremental import IncrementalChain
 from .loading import load
 from .reader import CheckpointReader, TensorSlice
-from .saving import SaveInfo, save
+from .save_records import SaveInfo
+from .saving import save
 from .training.data import ResumableLoader, ResumableSampler
 from .training.manager import CheckpointManager
 from .training.options import (

@@ -30,21 +30,15 @@ import xxhash
 
 from . import dist
 from .commit import Commit
-from .format.index import checksum
+from .defaults import DEFAULT_MAX_SHARD_BYTES, DEFAULT_THREADS
+from .format.index import block_count, checksum
 from .format.safetensors import itemsize
 from .gc_pause import gc_paused
 from .incremental import IncrementalChain
-from .saving import (
-    DEFAULT_MAX_SHARD_BYTES,
-    DEFAULT_THREADS,
-    SaveInfo,
-    SaveOptions,
-    SavePlan,
-    ShardFile,
-    WriteResult,
-    chunk_records,
-    run_save,
-)
+from .layout import ShardFile, chunk_records
+from .save_plan import SavePlan
+from .save_records import SaveInfo, SaveOptions, WriteResult
+from .saving import run_save
 from .staging import SLOT_BYTES, Slot, StagingPool
 from .storage import FileWriter, open_storage
 from .storage.io_types import ALIGN
@@ -326,7 +320,7 @@ class _Block:
 
 
 class Stager:
-    """The stage phase of the pipeline for background saves (``saving.Staging``)."""
+    """The stage phase of the pipeline for background saves (``write_phase.Staging``)."""
 
     def __init__(self, pool: StagingPool, threads: int, nice: int) -> None:
         self.pool, self.threads, self.nice = pool, threads, nice
@@ -341,7 +335,7 @@ class Stager:
 
     def spare_bytes(self) -> int:
         """What the staging pool already holds: a rank that must copy all it holds
-        after a change does so only within it (``saving._run_phases``)."""
+        after a change does so only within it (``saving.run_save``)."""
         return self.pool.nbytes
 
     def stage(self, plan: SavePlan, files: list[ShardFile]) -> Callable[[], WriteResult]:
@@ -374,7 +368,7 @@ class _OpenFile:
             shape, size = p.slot.shape, itemsize(p.slot.dtype)
             step = p.block_rows * (math.prod(shape[1:]) * size if shape else size)
             rows = shape[0] if shape else 1
-            self.block_counts.append(max(1, -(-rows // p.block_rows)))
+            self.block_counts.append(block_count(rows, p.block_rows))
             for k in range(self.block_counts[-1]):
                 lo = p.begin + k * step
                 block = _Block(lo, min(lo + step, p.end), first_piece + i, k)

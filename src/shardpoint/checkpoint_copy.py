@@ -18,6 +18,7 @@ import msgspec
 
 from .checkpoint_dir import open_committed
 from .commit import Commit
+from .defaults import DEFAULT_THREADS
 from .errors import CheckpointError
 from .format.index import (
     PLAIN_VERSION,
@@ -28,7 +29,6 @@ from .format.index import (
     split_reference,
 )
 from .names import fragment_file, is_fragment, shard_file, shard_number, writer_rank
-from .saving import DEFAULT_THREADS
 from .storage import open_storage
 from .storage.transfer import copy_files
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .checkpoint_dir import CommittedCheckpoint, read_header
+from .defaults import DEFAULT_THREADS
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -43,7 +44,8 @@ from .format.index import Chunk, Index, TensorEntry
 from .format.safetensors import DTYPES, METADATA_KEY, dtype_name, encode_header, itemsize, layout
 from .loading import ReadPlan
 from .reader import CheckpointReader
-from .saving import DEFAULT_THREADS, SaveInfo, save
+from .save_records import SaveInfo
+from .saving import save
 from .storage import CheckpointStorage, FileWriter, open_storage
 from .storage.io_types import BLOCK
 from .storage.local import LocalDirectory

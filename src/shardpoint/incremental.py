@@ -53,7 +53,7 @@ def token(tensor: torch.Tensor) -> Token:
 class Stored:
     """A chunk this rank stored in the chain's newest checkpoint."""
 
-    record: Any  # saving.ChunkRecord, its file named relative to the checkpoint
+    record: Any  # save_records.ChunkRecord, its file named relative to the checkpoint
     identity: str | None  # None: written without one (it had just changed)
     token: Token
     file_size: int

@@ -26,11 +26,11 @@ import torch
 
 from . import dist
 from .checkpoint_dir import CommittedCheckpoint, open_committed
+from .defaults import DEFAULT_THREADS
 from .errors import CorruptCheckpointError, StateMismatchError, UnsupportedValueError
 from .format.index import Chunk, TensorEntry, checksum
 from .format.safetensors import DTYPES
 from .gc_pause import gc_paused
-from .saving import DEFAULT_THREADS
 from .shared_reads import agree, exchange, join_failed, plan_shared_reads
 from .storage.io_types import Segment
 from .tensor_kinds import local_part

@@ -4,7 +4,7 @@ busiest rank writes about as much as the average.
 A chunk that only one rank can hold (a DTensor shard with no ``Replicate``
 placement: FSDP, TP) is written by that rank, and the planner only needs each rank's
 total of such bytes. Chunks that may be replicated (plain tensors, replicated DTensor
-dims) are planned by rank 0, which sends each rank its own writes (saving.py):
+dims) are planned by rank 0, which sends each rank its own writes (save_plan.py):
 
 1. A large chunk held by several ranks (a DDP parameter, a replicated norm) is split
    into row pieces, one per holder, the largest pieces to the least-loaded holders.
@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import CheckpointError
 from .format.safetensors import itemsize
 from .sharding import Sharding
 
@@ -149,3 +150,113 @@ def _split_rows(h: Holding, ranks: list[int], load: list[int]) -> list[Piece]:
         load[writer] += n * row_bytes
         start += n
     return out
+
+
+def plan_writes_per_node(
+    load: list[int], replicated: list[list[Holding]], nodes: list[int], per_node: bool
+) -> list[Piece]:
+    """``plan_writes`` for the job, or in per-node mode for each node apart: every node
+    writes its own copy of replicated state, split among its ranks, so a node restores
+    from its own disk alone; shards are written once."""
+    if not per_node:
+        return plan_writes(load, replicated)
+    members: dict[int, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        members.setdefault(node, []).append(rank)
+    pieces = []
+    for node in sorted(members):
+        ranks = members[node]
+        for piece in plan_writes([load[r] for r in ranks], [replicated[r] for r in ranks]):
+            piece.writer = ranks[piece.writer]  # the node's index -> the job's rank
+            pieces.append(piece)
+    return pieces
+
+
+def writes_around_staged(
+    steady: list[bool],
+    kept: list[list[Any]],  # per rank: its cached writes (save_records.PlannedWrite)
+    sole_bytes: list[int],
+    replicated: list[list[Holding]],
+    nodes: list[int],
+    per_node: bool,
+) -> list[Piece]:
+    """Rank 0, for a background save that must run again: the steady ranks wrote their
+    cached share and can write nothing else (they staged only that); the ranks whose
+    structure changed copied everything they hold and write the rest.
+
+    A cached piece stays with its writer if the writer is steady or still holds the
+    chunk it is cut from; otherwise it goes to the least-loaded changed rank (of the
+    writer's node, in per-node mode) that holds that chunk, and is dropped if no rank
+    holds it any more. Chunks no cached piece is cut from are planned among the changed
+    ranks that hold them. A piece of a chunk that only steady ranks hold cannot be
+    written: the save fails (the next one agrees first)."""
+    chunks: dict[int, dict[tuple[Any, ...], Holding]] = {}  # per distinct list
+    for held in replicated:
+        if id(held) not in chunks:
+            chunks[id(held)] = {(h.name, h.offsets, h.shape): h for h in held}
+    load = list(sole_bytes)
+    pieces: list[Piece] = []
+    orphans: list[tuple[int, list[Any]]] = []  # (cached writer, its write)
+    # The chunks cached pieces are cut from (with the node whose copy they are).
+    cut: set[tuple[Any, ...]] = set()
+    for rank, writes in enumerate(kept):
+        for write in writes:
+            name, offsets, shape, at, size = write
+            key = (name, tuple(at), tuple(size))
+            cut.add((*key, nodes[rank] if per_node else None))
+            source = chunks[id(replicated[rank])].get(key)  # a steady rank's always is
+            if source is None:
+                orphans.append((rank, write))
+                continue
+            piece = Piece(name, tuple(offsets), tuple(shape), rank, source)
+            pieces.append(piece)
+            load[rank] += _piece_nbytes(piece)
+    # The changed ranks' holders of each chunk, found once per distinct list.
+    changed: dict[int, tuple[list[Holding], list[int]]] = {}
+    for rank, held in enumerate(replicated):
+        if not steady[rank]:
+            changed.setdefault(id(held), (held, []))[1].append(rank)
+    wanted = {(w[0], tuple(w[3]), tuple(w[4])) for _, w in orphans}
+    holders: dict[tuple[Any, ...], list[int]] = {}
+    # Per distinct changed list (and node): its chunks no cached piece is cut from.
+    new: dict[tuple[int, int | None], list[Holding]] = {}
+    for held, ranks in changed.values():
+        for h in held:
+            key = (h.name, h.offsets, h.shape)
+            if key in wanted:
+                holders.setdefault(key, []).extend(ranks)
+        for node in {nodes[r] if per_node else None for r in ranks}:
+            new[id(held), node] = [h for h in held if (h.name, h.offsets, h.shape, node) not in cut]
+    for cached_writer, (name, offsets, shape, at, size) in orphans:
+        key = (name, tuple(at), tuple(size))
+        node = nodes[cached_writer]
+        candidates = [r for r in holders.get(key, []) if not per_node or nodes[r] == node]
+        if not candidates:
+            if per_node:  # (the node's ranks' chunks: its copy)
+                held_by = [chunks[id(replicated[r])] for r, n in enumerate(nodes) if n == node]
+            else:
+                held_by = list(chunks.values())
+            if any(key in c for c in held_by):
+                raise CheckpointError(
+                    f"rank {cached_writer}'s structure changed during this background save and "
+                    f"the piece of {name!r} at {list(offsets)} it was to write is held "
+                    "only by ranks that staged their own share: the save cannot be "
+                    "completed from what was staged, nothing is committed, and the next "
+                    "save agrees on a plan before it stages"
+                )
+            continue  # no rank holds it any more: the entry left the state
+        writer = min(candidates, key=lambda r: (load[r], r))
+        source = chunks[id(replicated[writer])][key]
+        piece = Piece(name, tuple(offsets), tuple(shape), writer, source)
+        pieces.append(piece)
+        load[writer] += _piece_nbytes(piece)
+    nothing: list[Holding] = []
+    lists = [
+        nothing if steady[r] else new[id(held), nodes[r] if per_node else None]
+        for r, held in enumerate(replicated)
+    ]
+    return pieces + plan_writes_per_node(load, lists, nodes, per_node)
+
+
+def _piece_nbytes(p: Piece) -> int:
+    return math.prod(p.shape) * itemsize(p.source.dtype)

@@ -16,10 +16,10 @@ from typing import Any
 import xxhash
 
 from .checkpoint_dir import CommittedCheckpoint, open_committed
+from .defaults import DEFAULT_THREADS
 from .errors import CheckpointError
 from .format.index import INDEX_NAME
 from .names import is_fragment
-from .saving import DEFAULT_THREADS
 from .storage import is_url
 
 _BLOCK = 8 * 1024 * 1024

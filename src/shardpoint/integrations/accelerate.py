@@ -27,7 +27,8 @@ import warnings
 from typing import Any
 
 from ..loading import load
-from ..saving import SaveInfo, save
+from ..save_records import SaveInfo
+from ..saving import save
 from ..training.train_state import TrainState
 from ..tree import is_stateful
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
-from ..saving import DEFAULT_MAX_SHARD_BYTES, DEFAULT_THREADS
+from ..defaults import DEFAULT_MAX_SHARD_BYTES, DEFAULT_THREADS
 from .retention import RetentionPolicy
 
 
