@@ -94,6 +94,30 @@ def test_a_failed_export_leaves_no_half_export_and_can_be_run_again(tmp_path, mo
     assert len(result.files) == 3 and (tmp_path / "hf" / HF_INDEX).exists()
 
 
+def test_an_exported_file_ends_before_its_header_could_pass_the_readers_limit(
+    tmp_path, monkeypatch
+):
+    """Many small tensors of long names: the export's files end by the header budget
+    the saves use, not only by bytes, so every file's header stays readable."""
+    from safetensors import safe_open
+
+    import shardpoint.layout as layout
+
+    state = {f"layer.{i}.{'x' * 40}": torch.full((2,), float(i)) for i in range(100)}
+    shardpoint.save(state, tmp_path / "ckpt")
+    monkeypatch.setattr(layout, "HEADER_BUDGET", 4096)
+    result = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    assert len(result.files) > 1  # by bytes alone (800 B) one file would hold them all
+    index = json.loads((tmp_path / "hf" / HF_INDEX).read_text())
+    assert set(index["weight_map"]) == set(state)
+    for file in result.files:
+        header = int.from_bytes((tmp_path / "hf" / file).read_bytes()[:8], "little")
+        assert header <= 4096
+    for name, file in index["weight_map"].items():
+        with safe_open(str(tmp_path / "hf" / file), "pt") as f:
+            assert torch.equal(f.get_tensor(name), state[name])
+
+
 def test_a_model_that_fits_one_shard_is_a_single_file_without_index(tmp_path):
     shardpoint.save({"a": torch.ones(3)}, tmp_path / "ckpt")
     export_hf(tmp_path / "ckpt", tmp_path / "hf")

@@ -42,6 +42,7 @@ from .errors import (
 )
 from .format.index import Chunk, Index, TensorEntry
 from .format.safetensors import DTYPES, METADATA_KEY, dtype_name, encode_header, itemsize, layout
+from .layout import SHARD_METADATA, pack_in_order
 from .loading import ReadPlan
 from .reader import CheckpointReader
 from .save_records import SaveInfo
@@ -152,7 +153,9 @@ def export_hf(
                 f"{reader.path}: no tensor entry starts with {prefix!r}; see `shardpoint "
                 "inspect` for the names (a TrainState's model is under 'model.')"
             )
-        shards = _split(plan, limit)
+        shards = pack_in_order(
+            plan, lambda t: t[1], lambda t: math.prod(t[3]) * itemsize(t[2]), limit
+        )
         names = _file_names(len(shards))
         _prepare_output(dest)
         weight_map: dict[str, str] = {}
@@ -188,22 +191,6 @@ def _cast_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return CAST_DTYPES[dtype]
 
 
-def _split(
-    plan: list[tuple[str, str, str, tuple[int, ...]]], limit: int
-) -> list[list[tuple[str, str, str, tuple[int, ...]]]]:
-    """Greedy in state order; a tensor larger than the limit gets a file of its own."""
-    shards: list[list[tuple[str, str, str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for item in plan:
-        nbytes = math.prod(item[3]) * itemsize(item[2])
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += nbytes
-    return shards
-
-
 def _file_names(n: int) -> list[str]:
     if n == 1:
         return [HF_SINGLE]
@@ -234,7 +221,7 @@ def _write_hf_file(
     """One file, tensor by tensor (each read, verified, written, then dropped); it
     appears whole or not at all (a local ``.tmp`` renamed, an object PUT)."""
     slots = layout([(name, dt, shape) for _, name, dt, shape in tensors])
-    header = encode_header(slots, {"format": "pt"})
+    header = encode_header(slots, SHARD_METADATA)
     size = len(header) + sum(s.nbytes for s in slots.values())
     stream = _InOrder(out.open_writer(file, size, threads=4))
     try:

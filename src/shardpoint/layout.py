@@ -8,7 +8,9 @@ index's records once their checksums are known.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -29,6 +31,7 @@ from .save_records import ChunkRecord
 from .storage.io_types import ZERO_COPY_MIN_BYTES
 from .tensor_memory import flat_bytes
 
+T = TypeVar("T")
 SHARD_METADATA = {"format": "pt"}  # what the Hugging Face loaders expect in each file
 
 
@@ -167,21 +170,30 @@ HEADER_BUDGET = MAX_HEADER_BYTES // 2
 def _pack(
     names: list[str], tensors: dict[str, torch.Tensor], max_bytes: int, rank: int
 ) -> dict[str, list[str]]:
-    """Greedy packing in state order: related tensors stay together in one file. A file
+    """This rank's pieces (by key, in state order) into its shard files' names."""
+    groups = pack_in_order(
+        names, lambda n: n, lambda n: tensors[n].numel() * tensors[n].element_size(), max_bytes
+    )
+    return {shard_file(rank, i): group for i, group in enumerate(groups)}
+
+
+def pack_in_order(
+    items: Sequence[T], key: Callable[[T], str], nbytes: Callable[[T], int], max_bytes: int
+) -> list[list[T]]:
+    """Greedy packing in state order (saves and ``hf`` exports): related tensors stay
+    together in one file; one larger than ``max_bytes`` gets a file of its own. A file
     also ends before its header could pass HEADER_BUDGET (readers, the reference library
-    too, refuse one over MAX_HEADER_BYTES: a million tiny tensors of long names)."""
-    files: dict[str, list[str]] = {}
-    current: list[str] = []
+    too, refuse one over MAX_HEADER_BYTES: a million tiny tensors of long names). Always
+    at least one (maybe empty) file."""
+    files: list[list[T]] = [[]]
     size = header = 0
-    for name in names:
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        entry = len(name.encode()) * 2 + _HEADER_ENTRY_BYTES  # its key, at most, and fields
-        if current and (size + nbytes > max_bytes or header + entry > HEADER_BUDGET):
-            files[shard_file(rank, len(files))] = current
-            current, size, header = [], 0, 0
-        current.append(name)
-        size += nbytes
+    for item in items:
+        n = nbytes(item)
+        entry = len(key(item).encode()) * 2 + _HEADER_ENTRY_BYTES  # its key, at most, and fields
+        if files[-1] and (size + n > max_bytes or header + entry > HEADER_BUDGET):
+            files.append([])
+            size = header = 0
+        files[-1].append(item)
+        size += n
         header += entry
-    if current or not files:
-        files[shard_file(rank, len(files))] = current
     return files
