@@ -51,7 +51,7 @@ from .storage import CheckpointStorage, FileWriter, open_storage
 from .storage.io_types import BLOCK
 from .storage.local import LocalDirectory
 from .tensor_kinds import local_part
-from .tensor_memory import flat_bytes, plain
+from .tensor_memory import flat_bytes, memory_key, plain
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
@@ -447,7 +447,11 @@ def _has_safetensors(source: Path) -> bool:
 
 def _check_fit(dests: dict[str, torch.Tensor], stored: set[str], strict: bool, where: str) -> None:
     present = {_storage_key(t) for name, t in dests.items() if name in stored}
-    missing = [n for n, t in dests.items() if n not in stored and _storage_key(t) not in present]
+    missing = [
+        n
+        for n, t in dests.items()
+        if n not in stored and (_storage_key(t) is None or _storage_key(t) not in present)
+    ]
     unexpected = sorted(stored - set(dests))
     if strict and (missing or unexpected):
         raise StateMismatchError(
@@ -456,10 +460,9 @@ def _check_fit(dests: dict[str, torch.Tensor], stored: set[str], strict: bool, w
         )
 
 
-def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     part = plain(t)
-    local = getattr(part, "_local_tensor", part)
-    return (local.device, local.data_ptr(), tuple(local.shape))
+    return memory_key(getattr(part, "_local_tensor", part))
 
 
 def _pickle_weight_files(source: Path) -> list[Path]:

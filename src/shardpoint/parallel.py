@@ -1,15 +1,25 @@
-"""Many small jobs on a thread pool, grouped into batches so per-job overhead stays small."""
+"""Running jobs on threads: one call per item (``run_parallel``), or many small jobs
+grouped into batches so per-job overhead stays small (``map_batched``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 BATCH_BYTES = 8 * 1024 * 1024
+
+
+def run_parallel(fn: Callable[[T], R], items: Sequence[T], threads: int, name: str) -> list[R]:
+    """``fn`` over ``items`` on up to ``threads`` threads (named ``name``), results in
+    item order, the first error re-raised; on the caller's thread when one suffices."""
+    if len(items) <= 1 or threads <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(min(threads, len(items)), name) as pool:
+        return list(pool.map(fn, items))
 
 
 def map_batched(

@@ -34,7 +34,7 @@ from .save_records import (
 from .sharding import Mesh
 from .storage import CheckpointStorage
 from .tensor_kinds import local_part, may_be_replicated, regular_sharding
-from .tensor_memory import host_contiguous, plain
+from .tensor_memory import host_contiguous, memory_key, plain
 from .tree import flatten
 
 
@@ -499,9 +499,7 @@ def _holdings(
             )
         if part.is_conj() or part.is_neg():  # a lazy view: its values are not its bytes
             part = part.resolve_conj().resolve_neg()
-        memory = None
-        if part.numel():  # every empty tensor has the same (null) data pointer
-            memory = (part.device, part.data_ptr(), tuple(part.shape), part.stride(), part.dtype)
+        memory = memory_key(part)
         if memory is not None and memory in seen:
             aliases[name] = seen[memory]
             continue

@@ -4,6 +4,7 @@ boxes of a global tensor, so a stored chunk meets the regions that need it."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -30,15 +31,18 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def memory_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors the same view of the same memory (tied weights); None for
+    an empty tensor (every empty tensor has the same null data pointer)."""
+    if math.prod(t.shape) == 0:
+        return None
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are the same non-empty view of the same memory."""
-    return (
-        a.device == b.device
-        and a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and math.prod(a.shape) > 0
-    )
+    key = memory_key(a)
+    return key is not None and key == memory_key(b)
 
 
 # Boxes: [lo, hi) in a global tensor's coordinates. A chunk, a rank's region and a

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from .defaults import DEFAULT_THREADS
 from .errors import CheckpointError
 from .format.index import INDEX_NAME
 from .names import is_fragment
+from .parallel import run_parallel
 from .storage import is_url
 
 _BLOCK = 8 * 1024 * 1024
@@ -76,8 +76,9 @@ def verify(
         report.errors.append(str(exc))
         return report
     files = sorted(ckpt.index.files)
-    with ThreadPoolExecutor(max_workers=max(threads, 1)) as pool:
-        report.files = list(pool.map(lambda f: _verify_file(ckpt, f, progress), files))
+    report.files = run_parallel(
+        lambda f: _verify_file(ckpt, f, progress), files, threads, "shardpoint-verify"
+    )
     return report
 
 

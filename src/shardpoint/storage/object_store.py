@@ -28,6 +28,7 @@ from typing import Any
 from ..errors import CheckpointError, CorruptCheckpointError, file_too_large
 from ..format import compressed
 from ..format.index import check_file_name, split_reference
+from ..parallel import run_parallel
 from .io_types import BLOCK, Segment
 
 _STORES: dict[tuple[str, str], Any] = {}
@@ -412,13 +413,7 @@ def _window(pool: ThreadPoolExecutor, width: int, fn: Callable, items: Iterator[
 
 
 def _each(fn: Callable[[Any], None], items: list[Any], threads: int) -> None:
-    if len(items) <= 1 or threads <= 1:
-        for item in items:
-            fn(item)
-        return
-    with ThreadPoolExecutor(min(threads, len(items)), "shardpoint-object") as pool:
-        for future in [pool.submit(fn, item) for item in items]:
-            future.result()
+    run_parallel(fn, items, threads, "shardpoint-object")
 
 
 class _ObjectWriter:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import CorruptCheckpointError
+from ..parallel import run_parallel
 from . import CheckpointStorage
 from .io_types import BLOCK
 
@@ -71,7 +71,4 @@ def copy_files(
     def one(name: str) -> int:
         return copy_file(source, target, name, threads, (renamed or {}).get(name), compress)
 
-    if len(names) <= 1:
-        return sum(one(n) for n in names)
-    with ThreadPoolExecutor(min(threads, len(names)), "shardpoint-copy") as pool:
-        return sum(pool.map(one, names))
+    return sum(run_parallel(one, names, threads, "shardpoint-copy"))
