@@ -338,7 +338,7 @@ def test_the_old_replicas_spelling_names_the_new_one():
 def test_the_parity_manifest_is_written_last(tmp_path):
     """A parity copy is offered only once its manifest exists, and the manifest appears
     whole (written under another name, then renamed)."""
-    from shardpoint.training.memory_tier import PARITY_MANIFEST, write_manifest
+    from shardpoint.training.parity import PARITY_MANIFEST, write_manifest
 
     target = tmp_path / PARITY_MANIFEST
     write_manifest(tmp_path, {"a": 1})

@@ -389,7 +389,7 @@ def _save_with_rank_1_unable_to_list_its_copy(rank: int, world: int, root: str) 
         def unreadable(d):  # noqa: ANN001, ANN202
             raise PermissionError(13, "Permission denied (injected)", str(d))
 
-        memory_tier._files = unreadable
+        memory_tier.copy_files = unreadable
     tier = MemoryTier("job", root=Path(root) / f"shm{rank // 2}")
     tier.save(1, {"w": torch.full((100,), float(rank))})
     with pytest.raises(CheckpointError, match="injected"):

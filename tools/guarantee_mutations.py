@@ -59,7 +59,7 @@ MUTATIONS = [
         "parity pieces used unchecked",
         "a rebuild never uses a corrupt piece",
         "src/shardpoint/training/memory_tier.py",
-        '        if which["index"] != "sum" and _digest(piece) != which["hash"]:\n',
+        '        if which["index"] != "sum" and digest(piece) != which["hash"]:\n',
         "        if False:\n",
         (ERASURE + "test_a_corrupt_parity_piece_is_caught_by_the_rebuilding_rank",),
     ),
@@ -67,7 +67,7 @@ MUTATIONS = [
         "XOR sums made of unchecked pieces",
         "a rebuild never uses a corrupt piece",
         "src/shardpoint/training/memory_tier.py",
-        '                if _digest(piece.numpy()) != detail["hash"] and error is None:\n',
+        '                if digest(piece.numpy()) != detail["hash"] and error is None:\n',
         "                if False:\n",
         (
             ERASURE + "test_a_corrupt_piece_is_caught_by_its_checksum_and_the_disk_is_used[parity]",

@@ -374,6 +374,28 @@ def irecv_bytes(buffer: torch.Tensor, src: int, tag: int, group: Any = None) -> 
     return dist.irecv(buffer, src=src, group=group or _cpu_group(), tag=tag)
 
 
+def swap_json(value: Any, to: list[int], frm: list[int], group: Any = None) -> list[Any]:
+    """Point to point: send ``value`` to the ranks ``to`` and receive the value each of
+    the ranks ``frm`` sends this one, in that order (its size, then its bytes). Only
+    these ranks take part: what a rank receives does not grow with the job."""
+    data = _encoded(value)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sends = []
+    for dst in to:
+        sends.append(isend_bytes(size, dst, tag=0, group=group))
+        sends.append(isend_bytes(data, dst, tag=1, group=group))
+    theirs = []
+    for src in frm:
+        their_size = torch.zeros(1, dtype=torch.int64)
+        irecv_bytes(their_size, src, tag=0, group=group).wait()
+        buffer = torch.empty(int(their_size.item()), dtype=torch.uint8)
+        irecv_bytes(buffer, src, tag=1, group=group).wait()
+        theirs.append(_decoded(buffer))
+    for request in sends:
+        request.wait()
+    return theirs
+
+
 def worst_error(error: str | None, kind: int, group: Any = None) -> tuple[int, str | None]:
     """Of the ranks that failed (``error`` set; ``kind``: larger is graver), the gravest
     kind and the message of the lowest-ranked rank of that kind; (-1, None) when no

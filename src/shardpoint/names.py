@@ -8,6 +8,10 @@ checkpoint whose shard files later checkpoints still refer to (incremental saves
 keeps those files and a ``PRUNED`` note instead of its marker. The manager's directory
 also holds ``run-id``: which run its checkpoints belong to (the memory tier's namespace),
 and ``rollbacks.json``: the rollbacks asked of the run.
+The memory tier keeps, per job, one slot directory per kind of copy and rank,
+``own/rankRRRRR`` (rank R's own copies), ``replica/rankRRRRR`` (the replicas of rank R's
+copies a buddy holds) and ``parity/rankRRRRR`` (the parity rank R holds), each holding
+step directories; a rebuild writes ``.rebuild-step-NNNNNNNNN`` beside the copy it makes.
 Anything else is not ours.
 """
 
@@ -18,6 +22,7 @@ import re
 from .format.index import INDEX_NAME, MARKER_NAME
 
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
+_RANK_DIR = re.compile(r"^rank(\d+)$")
 _SHARD_FILE = re.compile(r"^rank\d{5}-(\d{5})\.safetensors$")
 _RANK_FILE = re.compile(r"^rank(\d{5})(-\d{5}\.safetensors|\.chunks\.json)$")
 # Every name a save writes (``.tmp``: a small file or stream not yet renamed into place).
@@ -28,6 +33,8 @@ _OWN_FILE = re.compile(
 PRUNED_NAME = "PRUNED"
 RUN_ID_NAME = "run-id"
 ROLLBACKS_NAME = "rollbacks.json"  # the run's rollback requests (training/rollback.py)
+MEMORY_KINDS = ("own", "replica", "parity")  # the memory tier's slot directories
+REBUILD_PREFIX = ".rebuild-"  # a memory copy being rebuilt from parity, not yet a copy
 
 __all__ = ["INDEX_NAME", "MARKER_NAME"]
 
@@ -83,3 +90,26 @@ def writer_rank(name: str) -> int | None:
 def is_own_file(name: str) -> bool:
     """Whether a save could have written ``name`` (finished or not)."""
     return _OWN_FILE.match(name) is not None
+
+
+def commit_order(names: list[str]) -> list[str]:
+    """A checkpoint's file names in the order a commit makes them: shards first, then
+    the index, then the marker."""
+    return sorted(names, key=lambda n: (n == MARKER_NAME, n == INDEX_NAME, n))
+
+
+def rank_dir(rank: int) -> str:
+    return f"rank{rank:05d}"
+
+
+def parse_rank_dir(name: str) -> int | None:
+    """The rank of a ``rankRRRRR`` directory name, else None."""
+    m = _RANK_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def memory_slot(kind: str, rank: int) -> str:
+    """Rank ``rank``'s memory-tier slot of kind ``kind`` (one of ``MEMORY_KINDS``),
+    relative to the job's directory."""
+    assert kind in MEMORY_KINDS, kind
+    return f"{kind}/{rank_dir(rank)}"

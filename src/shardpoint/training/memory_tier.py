@@ -10,7 +10,10 @@ keep them under ``replica``; or, with ``ErasureCode(data, parity)``, pieces of t
 the ranks of the parity group (``erasure.Placement``) that keep parity under ``parity``.
 Every copy is an ordinary checkpoint: marker last, checksums on every block, verified
 when loaded; every parity piece and every data piece it was made from has a checksum
-in the holder's manifest, checked before a rebuild uses it.
+in the holder's manifest, checked before a rebuild uses it (``parity.py``). The own
+copy is committed by the save pipeline (``Commit``); a replica is the sender's files
+byte for byte, marker included, written from the buffers they arrived in, so the tier
+writes them in commit order itself (marker last) instead of making a new marker.
 
 Survives: any process crash; the loss of ``n`` nodes per replica group (its ranks pull
 their files back from buddies), or of ``parity`` nodes per parity group (its ranks
@@ -20,7 +23,6 @@ that, or every node (then the disk and remote tiers are used).
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import shutil
@@ -33,7 +35,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from .. import dist
 from ..background_save import Stager, lower_priority
@@ -45,18 +46,34 @@ from ..errors import (
     StateMismatchError,
 )
 from ..loading import load
-from ..names import INDEX_NAME, MARKER_NAME, is_own_file, parse_step_dir, step_dir
+from ..names import (
+    REBUILD_PREFIX,
+    commit_order,
+    memory_slot,
+    parse_rank_dir,
+    parse_step_dir,
+    step_dir,
+)
 from ..saving import DEFAULT_THREADS, SaveOptions, run_save
 from ..staging import StagingPool
 from ..storage import open_storage
 from ..tree import flatten
 from .erasure import Codec, Placement, placement
+from .memory_restore_plan import restore_roles
 from .options import ErasureCode, Replicas
+from .parity import (
+    PARITY_MANIFEST,
+    Rebuild,
+    copy_files,
+    digest,
+    read_manifest,
+    read_piece,
+    send_parity,
+)
 
 DEFAULT_ROOT = "/dev/shm/shardpoint"
 STALE_AFTER_SECONDS = 24 * 3600
 ONE_REPLICA = Replicas(1)
-PARITY_MANIFEST = "parity.json"  # written last: a parity copy without it is not used
 
 
 class MemoryTier:
@@ -134,13 +151,15 @@ class MemoryTier:
     # ---- layout ------------------------------------------------------------------------
 
     def own_dir(self, step: int, rank: int | None = None) -> Path:
-        return self.base / "own" / f"rank{self.rank if rank is None else rank:05d}" / step_dir(step)
+        return self.base / memory_slot("own", self.rank if rank is None else rank) / step_dir(step)
 
     def replica_dir(self, rank: int, step: int) -> Path:
-        return self.base / "replica" / f"rank{rank:05d}" / step_dir(step)
+        return self.base / memory_slot("replica", rank) / step_dir(step)
 
-    def parity_dir(self, step: int) -> Path:
-        return self.base / "parity" / f"rank{self.rank:05d}" / step_dir(step)
+    def parity_dir(self, step: int, rank: int | None = None) -> Path:
+        return (
+            self.base / memory_slot("parity", self.rank if rank is None else rank) / step_dir(step)
+        )
 
     def _committed_steps(self, parent: Path) -> dict[int, dict[str, int]]:
         """step -> {file: size} of committed copies (or parity copies) under ``parent``."""
@@ -231,7 +250,7 @@ class MemoryTier:
         files: dict[str, int] = {}
         if error is None:
             try:  # listed before the agreement: a rank that cannot must not leave it
-                files = _files(own)
+                files = copy_files(own)
             except OSError as exc:
                 error = f"rank {self.rank}: {exc}"
         failed = dist.first_error(error, self.group)
@@ -239,7 +258,12 @@ class MemoryTier:
             shutil.rmtree(own, ignore_errors=True)
             raise CheckpointError(f"memory tier save of step {step} failed: {failed}")
         if self.placement is not None:
-            unwritten = self._send_parity(step, files)
+            pl = self.placement
+            others = [r for r in pl.members if r != self.rank]
+            theirs = iter(self._swap_manifests(others, files, others))
+            manifests = [files if r == self.rank else next(theirs) for r in pl.members]
+            target = self.parity_dir(step)
+            unwritten = send_parity(pl, self.rank, self.group, step, own, manifests, target)
             if unwritten is not None:
                 error = f"rank {self.rank}: {unwritten}"
         for k in range(1, self.replicas + 1):
@@ -268,98 +292,8 @@ class MemoryTier:
     ) -> list[dict[str, int]]:
         """Send this rank's file list (name -> size) to the ranks ``to``; receive those
         of the ranks ``frm``, in that order."""
-        payload = json.dumps(files).encode()
-        size = torch.tensor([len(payload)], dtype=torch.int64)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        sends = []
-        for rank in to:
-            sends.append(dist.isend_bytes(size, rank, tag=0, group=self.group))
-            sends.append(dist.isend_bytes(data, rank, tag=1, group=self.group))
-        theirs = []
-        for rank in frm:
-            their_size = torch.zeros(1, dtype=torch.int64)
-            dist.irecv_bytes(their_size, rank, tag=0, group=self.group).wait()
-            buffer = torch.empty(int(their_size.item()), dtype=torch.uint8)
-            dist.irecv_bytes(buffer, rank, tag=1, group=self.group).wait()
-            got = json.loads(buffer.numpy().tobytes())
-            theirs.append({str(k): int(v) for k, v in got.items()})
-        for request in sends:
-            request.wait()
-        return theirs
-
-    def _send_parity(self, step: int, files: dict[str, int]) -> str | None:
-        """Collective in the parity group: one codeword at a time, its data members send
-        their chunk of their copy to its parity holders, which compute and keep their
-        parity piece with the checksums of every piece, manifest last. Returns why this
-        rank could not keep its parity (it still takes part in every codeword, so that
-        the others never wait for it)."""
-        pl = self.placement
-        assert pl is not None
-        me = pl.position(self.rank)
-        others = [r for r in pl.members if r != self.rank]
-        theirs = iter(self._swap_manifests(others, files, others))
-        manifests = [files if r == self.rank else next(theirs) for r in pl.members]
-        size = pl.chunk_bytes([sum(f.values()) for f in manifests])
-        codec = Codec(pl.k, pl.m)
-        target = self.parity_dir(step)
-        error = None
-        try:
-            if target.exists():
-                shutil.rmtree(target)  # a crashed earlier attempt at this step
-            target.mkdir(parents=True)
-        except OSError as exc:
-            error = f"making {target}: {exc}"
-        codewords: dict[str, dict[str, Any]] = {}
-        for j in range(len(pl.members)):
-            requests = []
-            if me in pl.data(j):
-                chunk = torch.from_numpy(
-                    _read_stream(self.own_dir(step), files, pl.chunks(me).index(j), size)
-                )
-                for holder in pl.holders(j):
-                    requests.append(dist.isend_bytes(chunk, pl.members[holder], j, self.group))
-            pieces: list[torch.Tensor] = []
-            if me in pl.holders(j):
-                for p in pl.data(j):
-                    pieces.append(torch.empty(size, dtype=torch.uint8))
-                    requests.append(dist.irecv_bytes(pieces[-1], pl.members[p], j, self.group))
-            for request in requests:
-                request.wait()
-            if not pieces or error is not None:
-                continue
-            t = pl.holders(j).index(me)
-            data = [piece.numpy() for piece in pieces]
-            try:
-                parity = codec.encode(data)[t]
-            except Exception as exc:  # noqa: BLE001 - the others must not wait for this rank
-                error = f"encoding codeword {j}: {type(exc).__name__}: {exc}"
-                continue
-            codewords[str(j)] = {
-                "piece": pl.k + t,
-                "data_hashes": [_digest(d) for d in data],
-                "parity_hash": _digest(parity),
-            }
-            try:
-                parity.tofile(target / f"codeword{j}.bin")
-            except OSError as exc:
-                error = f"writing parity to {target}: {exc}"
-        if error is None:
-            manifest = {
-                "step": step,
-                "members": list(pl.members),
-                "parity": pl.m,
-                "chunk_bytes": size,
-                "files": manifests,
-                "codewords": codewords,
-            }
-            try:
-                write_manifest(target, manifest)
-            except OSError as exc:
-                error = f"writing {target / PARITY_MANIFEST}: {exc}"
-        if error is not None:
-            shutil.rmtree(target, ignore_errors=True)
-            return f"{error}; free space there (or raise its size), or lower parity"
-        return None
+        theirs = dist.swap_json(files, to, frm, self.group)
+        return [{str(k): int(v) for k, v in got.items()} for got in theirs]
 
     def _check_budget(self, state: Any, step: int) -> None:
         """The copies held now stay until every rank's copies of the new step are in
@@ -403,13 +337,13 @@ class MemoryTier:
         maps = []
         if send is not None:
             to, src = send
-            for i, name in enumerate(_ordered(list(_files(src)))):
+            for i, name in enumerate(commit_order(list(copy_files(src)))):
                 data = _file_bytes(src / name, maps)  # mapped from tmpfs: no copy
                 requests.append(dist.isend_bytes(data, to, tag=i, group=self.group))
         received: list[tuple[str, torch.Tensor, int]] = []
         if recv is not None:
             frm, files, _ = recv
-            for i, name in enumerate(_ordered(list(files))):
+            for i, name in enumerate(commit_order(list(files))):
                 buf = torch.empty(max(files[name], 1), dtype=torch.uint8)
                 received.append((name, buf, files[name]))
                 requests.append(dist.irecv_bytes(buf, frm, tag=i, group=self.group))
@@ -423,7 +357,7 @@ class MemoryTier:
             if target.exists():
                 shutil.rmtree(target)
             target.mkdir(parents=True)
-            for name, buf, size in received:  # _ordered puts index and marker last
+            for name, buf, size in received:  # commit_order puts index and marker last
                 with open(target / name, "wb") as f:
                     f.write(memoryview(buf.numpy())[:size])
                 self.bytes_received += size
@@ -436,11 +370,11 @@ class MemoryTier:
         return None
 
     def _prune(self, newest: int) -> None:
-        mine = [self.base / "own" / f"rank{self.rank:05d}", *self._held_parents()]
+        mine = [self.base / memory_slot("own", self.rank), *self._held_parents()]
         for _, parent in self._slot_dirs():
             if parent not in mine:  # another rank's, left in this slot before ranks moved
                 shutil.rmtree(parent, ignore_errors=True)
-        for leftover in mine[0].glob(".rebuild-*"):  # a rebuild killed before it finished
+        for leftover in mine[0].glob(f"{REBUILD_PREFIX}*"):  # a rebuild killed before it finished
             shutil.rmtree(leftover, ignore_errors=True)
         for parent in mine:
             steps = sorted(self._committed_steps(parent))
@@ -467,13 +401,13 @@ class MemoryTier:
 
     def _replica_parents(self) -> list[Path]:
         """The replica directories this rank holds (other ranks of the node hold others)."""
-        return [self.base / "replica" / f"rank{r:05d}" for r in sorted(self._held_by(self.rank))]
+        return [self.base / memory_slot("replica", r) for r in sorted(self._held_by(self.rank))]
 
     def _held_parents(self) -> list[Path]:
         """Every directory of what this rank holds for others: replicas, or its parity."""
         if self.placement is None:
             return self._replica_parents()
-        return [self.base / "parity" / f"rank{self.rank:05d}"]
+        return [self.base / memory_slot("parity", self.rank)]
 
     # ---- restore ------------------------------------------------------------------------------
 
@@ -486,7 +420,7 @@ class MemoryTier:
         that grows with the number of ranks."""
         self.wait(raise_error=False)
         holdings = dist.gather_json(self._holdings(), 0, self.group)
-        plan = None if holdings is None else (lambda: _restore_roles(holdings, self.world))
+        plan = None if holdings is None else (lambda: restore_roles(holdings, self.world))
         self._role = None  # until every rank has its part of this plan
         self._role = dist.scatter_plan(plan, 0, self.group)
         self.lost = self._role.get("lost")
@@ -507,7 +441,7 @@ class MemoryTier:
         # each of its transfers in turn, and every partner reaches it in the same order.
         error = None
         spec = self._role.get("rebuild")
-        rebuild = None if spec is None else _Rebuild(self.own_dir(step), spec)
+        rebuild = None if spec is None else Rebuild(self.own_dir(step), spec)
         self.rebuilt = rebuild is not None
         self.restored_how = {
             how: self._role.get(how, []) for how in ("ranks_from_buddies", "ranks_rebuilt")
@@ -538,7 +472,7 @@ class MemoryTier:
                 dist.irecv_bytes(partial, other, 0, self.group).wait()
             elif kind == "chain_send":
                 piece = self._piece(step, detail)
-                if _digest(piece.numpy()) != detail["hash"] and error is None:
+                if digest(piece.numpy()) != detail["hash"] and error is None:
                     error = (
                         f"rank {self.rank}: its piece of codeword {detail['codeword']} for "
                         f"rank {other}'s rebuild does not match its checksum (a corrupt copy "
@@ -591,21 +525,8 @@ class MemoryTier:
             raise CorruptCheckpointError(f"memory tier step {step} is not usable: {failed}")
 
     def _piece(self, step: int, detail: dict[str, Any]) -> torch.Tensor:
-        """A piece a rebuild asked for: a chunk of this rank's copy, or its parity of a
-        codeword, as kept (the rebuilding rank checks it against the checksums)."""
-        piece = np.zeros(detail["chunk_bytes"], dtype=np.uint8)
-        try:
-            if detail["kind"] == "data":
-                own = self.own_dir(step, detail["whose"])
-                piece = _read_stream(own, _files(own), detail["chunk"], detail["chunk_bytes"])
-            else:
-                parent = self.base / "parity" / f"rank{detail['whose']:05d}"
-                path = parent / step_dir(step) / f"codeword{detail['codeword']}.bin"
-                with open(path, "rb") as f:
-                    f.readinto(memoryview(piece))
-        except OSError:  # sent anyway (zeros fail the checksum): the receiver must not wait
-            pass
-        return torch.from_numpy(piece)
+        whose = detail["whose"]
+        return read_piece(detail, self.own_dir(step, whose), self.parity_dir(step, whose))
 
     def _holdings(self) -> dict[str, Any]:
         """What this rank's slot of the node holds, by whose it is: {"own": {rank: {step:
@@ -614,14 +535,14 @@ class MemoryTier:
         rank (torchrun orders nodes as they join), whose copies are then sent to it."""
         out: dict[str, dict[str, Any]] = {"own": {}, "held": {}, "parity": {}}
         for kind, parent in self._slot_dirs():
-            whose = parent.name[4:]
+            whose = str(parse_rank_dir(parent.name))
             steps = self._committed_steps(parent)
             if kind != "parity":
                 out[kind][whose] = {str(s): f for s, f in steps.items()}
                 continue
             for step in steps:
                 try:
-                    manifest = json.loads((parent / step_dir(step) / PARITY_MANIFEST).read_bytes())
+                    manifest = read_manifest(parent / step_dir(step))
                 except (OSError, ValueError):  # unreadable: not offered
                     continue
                 out["parity"].setdefault(whose, {})[str(step)] = manifest
@@ -642,9 +563,10 @@ class MemoryTier:
         out = []
         for kind, sub in (("own", "own"), ("held", "replica"), ("parity", "parity")):
             for d in sorted((self.base / sub).iterdir()) if (self.base / sub).is_dir() else []:
-                if not d.name.startswith("rank") or not d.name[4:].isdigit():
+                whose = parse_rank_dir(d.name)
+                if whose is None:
                     continue
-                kept_by = keeper(kind, int(d.name[4:]))
+                kept_by = keeper(kind, whose)
                 if kept_by == self.rank or (kept_by is None and self.rank == min(self.mates)):
                     out.append((kind, d))
         return out
@@ -680,161 +602,6 @@ def load_identity(path: Path) -> dict[str, Any]:
         return dict(r.metadata["user"].get("memory_tier", {}))
 
 
-def _restore_roles(holdings: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
-    """Rank 0's plan from every rank's holdings: per rank, the newest step every rank can
-    recover (None: none) and its part of the transfers, in the job's order: ["send",
-    owner, {"whose", "own"}] or ["receive", holder, {file: size}] for copies kept on
-    another node (a buddy's replica, or an own copy a restart left in a slot now given
-    to another rank), ["send_piece",
-    rebuilder, what] or ["receive_piece", sender, which] for parity (with "rebuild": how
-    the pieces make the rank's copy). A rank's own copy comes first, else the
-    lowest-ranked buddy's, else a rebuild from its parity group."""
-    # (whose, step) -> (the rank holding that copy, its files), own copies before replicas
-    copies: dict[tuple[int, int], tuple[int, bool, dict[str, int]]] = {}
-    parity: dict[tuple[int, int], tuple[int, dict[str, Any]]] = {}  # (holder, step) ->
-    for kind in ("own", "held"):
-        for holder, h in enumerate(holdings):
-            for whose, steps in h[kind].items():
-                for step, files in steps.items():
-                    key = (int(whose), int(step))
-                    if key not in copies or (kind == "own" and int(whose) == holder):
-                        copies[key] = (holder, kind == "own", files)
-    for holder, h in enumerate(holdings):
-        for whose, steps in h["parity"].items():
-            for step, manifest in steps.items():
-                parity[(int(whose), int(step))] = (holder, manifest)
-
-    def rebuild(rank: int, step: int) -> dict[str, Any] | None:
-        """How ``rank`` rebuilds its copy of ``step`` from its parity group's pieces:
-        for each codeword it gave a chunk to, ``k`` pieces of it that survive (data
-        chunks of the other members first, then parity) with their checksums."""
-        group = next(
-            (m for (_, s), (_, m) in parity.items() if s == step and rank in m["members"]), None
-        )
-        if group is None:
-            return None
-        pl = Placement(tuple(group["members"]), group["parity"])
-        p, size = pl.position(rank), group["chunk_bytes"]
-        chunks, pieces = [], []
-        for j in pl.chunks(p):
-            kept = {}  # parity piece t -> (the rank holding it, its record)
-            for t, h in enumerate(pl.holders(j)):
-                holder, manifest = parity.get((pl.members[h], step), (None, {}))
-                if str(j) in manifest.get("codewords", {}):
-                    kept[t] = (holder, manifest["codewords"][str(j)])
-            if not kept:
-                return None
-            hashes = next(iter(kept.values()))[1]["data_hashes"]
-            found = [
-                (
-                    copies[(pl.members[q], step)][0],
-                    d,
-                    hashes[d],
-                    {"kind": "data", "whose": pl.members[q], "chunk": pl.chunks(q).index(j)},
-                )
-                for d, q in enumerate(pl.data(j))
-                if q != p and copies.get((pl.members[q], step), (0, False))[1]
-            ] + [
-                (
-                    holder,
-                    pl.k + t,
-                    c["parity_hash"],
-                    {"kind": "parity", "whose": pl.members[pl.holders(j)[t]]},
-                )
-                for t, (holder, c) in kept.items()
-            ]
-            if len(found) < pl.k:
-                return None
-            chunks.append([j, pl.data(j).index(p)])
-            for sender, index, digest, what in found[: pl.k]:
-                detail = {**what, "codeword": j, "chunk_bytes": size}
-                pieces.append((sender, {"codeword": j, "index": index, "hash": digest}, detail))
-        spec = {"chunk_bytes": size, "data": pl.k, "parity": pl.m, "chunks": chunks}
-        return {"spec": {**spec, "files": group["files"][p]}, "pieces": pieces}
-
-    rebuilds: dict[tuple[int, int], dict[str, Any] | None] = {}
-
-    def source(rank: int, step: int) -> int | None:
-        if (rank, step) in copies:
-            return copies[(rank, step)][0]
-        if (rank, step) not in rebuilds:
-            rebuilds[(rank, step)] = rebuild(rank, step)
-        return None if rebuilds[(rank, step)] is None else -1  # -1: rebuilt from parity
-
-    newest = next(
-        (
-            step
-            for step in sorted({s for _, s in copies} | {s for _, s in parity}, reverse=True)
-            if all(source(rank, step) is not None for rank in range(world))
-        ),
-        None,
-    )
-    roles: list[dict[str, Any]] = [{"step": newest, "transfers": []} for _ in range(world)]
-    held = {s for _, s in copies} | {s for _, s in parity}
-    if newest is None and held:  # rank 0's part says whose copies of the newest are gone
-        best = max(held)
-        roles[0]["lost"] = {
-            "step": best,
-            "ranks": [r for r in range(world) if source(r, best) is None],
-        }
-    for owner in range(world) if newest is not None else ():
-        holder = source(owner, newest)
-        if holder != owner:  # rank 0's part says how (for the event log)
-            how = "ranks_rebuilt" if holder == -1 else "ranks_from_buddies"
-            roles[0].setdefault(how, []).append(owner)
-        if holder == -1:
-            plan = rebuilds[(owner, newest)]
-            assert plan is not None
-            roles[owner]["rebuild"] = plan["spec"]
-            k = plan["spec"]["data"]
-            for at in range(0, len(plan["pieces"]), k):  # one codeword's pieces
-                pieces = plan["pieces"][at : at + k]
-                senders = [sender for sender, _, _ in pieces]
-                if plan["spec"]["parity"] == 1 and len({owner, *senders}) == k + 1:
-                    _xor_chain(roles, owner, pieces)
-                    continue
-                for sender, receive, send in pieces:
-                    which = {**receive, "from": sender}
-                    if sender == owner:  # a piece its own slot keeps (ranks moved)
-                        roles[owner]["transfers"].append(["local_piece", owner, [send, which]])
-                        continue
-                    roles[sender]["transfers"].append(["send_piece", owner, send])
-                    roles[owner]["transfers"].append(["receive_piece", sender, which])
-        elif holder == owner and not copies[(owner, newest)][1]:
-            # Its own slot keeps a replica of it (left by the rank that held it before
-            # the ranks moved): made its own copy in place, no transfer.
-            roles[owner]["transfers"].append(["adopt", owner, None])
-        elif holder != owner:
-            _, is_own, files = copies[(owner, newest)]
-            roles[holder]["transfers"].append(["send", owner, {"whose": owner, "own": is_own}])
-            roles[owner]["transfers"].append(["receive", holder, files])
-    return roles
-
-
-def _xor_chain(roles: list[dict[str, Any]], owner: int, pieces: list[tuple]) -> None:
-    """XOR parity (m = 1): a codeword's lost chunk is the XOR of its ``k`` other pieces,
-    so they are summed on the way: each holder checks its piece against its checksum,
-    XORs it into what the previous one sent and sends the sum on; the rebuilding rank
-    receives one chunk per codeword, as from a replica, not ``k``."""
-    for i, (sender, receive, send) in enumerate(pieces):
-        if i:
-            size = {"chunk_bytes": send["chunk_bytes"]}
-            roles[sender]["transfers"].append(["chain_receive", pieces[i - 1][0], size])
-        onward = pieces[i + 1][0] if i + 1 < len(pieces) else owner
-        roles[sender]["transfers"].append(["chain_send", onward, {**send, "hash": receive["hash"]}])
-    which = {"codeword": pieces[0][1]["codeword"], "index": "sum", "from": pieces[-1][0]}
-    roles[owner]["transfers"].append(["receive_piece", pieces[-1][0], which])
-
-
-def _files(d: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in d.iterdir() if is_own_file(p.name)}
-
-
-def _ordered(names: list[str]) -> list[str]:
-    """Shards first, then the index, then the marker: a copy is committed last."""
-    return sorted(names, key=lambda n: (n == MARKER_NAME, n == INDEX_NAME, n))
-
-
 def _remove_stale_jobs(root: Path, keep: Path) -> None:
     """Free the memory of jobs on this node untouched for a day (dead runs)."""
     now = time.time()
@@ -847,106 +614,3 @@ def _remove_stale_jobs(root: Path, keep: Path) -> None:
             continue
         if now - newest > STALE_AFTER_SECONDS:
             shutil.rmtree(job, ignore_errors=True)
-
-
-class _Rebuild:
-    """A rank's copy rebuilt from its parity group's pieces: each piece is checked against
-    the checksum its holder recorded before it is used, each codeword decoded once its
-    ``k`` pieces are in, and the files written under a temporary name that becomes the
-    copy only once every chunk is in place (never half a copy where a restore looks)."""
-
-    def __init__(self, target: Path, spec: dict[str, Any]) -> None:
-        self.target, self.files = target, spec["files"]
-        self.chunk_bytes = spec["chunk_bytes"]
-        self.codec = Codec(spec["data"], spec["parity"])
-        self.wanted = {j: (c, want) for c, (j, want) in enumerate(spec["chunks"])}
-        self.pieces: dict[int, dict[int, np.ndarray]] = {}
-        self.error: str | None = None
-        self.partial = target.parent / f".rebuild-{target.name}"
-        try:
-            shutil.rmtree(self.partial, ignore_errors=True)
-            self.partial.mkdir(parents=True)
-            for name, size in self.files.items():
-                with open(self.partial / name, "wb") as f:
-                    f.truncate(size)
-        except OSError as exc:
-            self.error = f"rebuilding {target}: {exc}"
-
-    def add(self, which: dict[str, Any], piece: np.ndarray) -> None:
-        j = which["codeword"]
-        if self.error is not None:
-            return
-        if which["index"] != "sum" and _digest(piece) != which["hash"]:
-            self.error = (
-                f"rebuilding {self.target}: piece {which['index']} of codeword {j} from rank "
-                f"{which['from']} does not match its checksum (a corrupt copy or parity)"
-            )
-            return
-        got = self.pieces.setdefault(j, {})
-        got[which["index"]] = piece
-        if len(got) == self.codec.k or which["index"] == "sum":
-            c, want = self.wanted[j]
-            del self.pieces[j]
-            try:
-                chunk = piece if which["index"] == "sum" else self.codec.rebuild(got, want)
-            except Exception as exc:  # noqa: BLE001 - reported in the agreement, not raised
-                self.error = f"rebuilding {self.target}: decoding codeword {j}: {exc}"
-                return
-            try:
-                for name, at, lo, hi in _spans(self.files, c, self.chunk_bytes):
-                    with open(self.partial / name, "r+b") as f:
-                        f.seek(at)
-                        f.write(memoryview(chunk)[lo:hi])
-            except OSError as exc:
-                self.error = f"rebuilding {self.target}: {exc}"
-            self.wanted.pop(j)
-
-    def abandon(self) -> None:
-        shutil.rmtree(self.partial, ignore_errors=True)
-
-    def finish(self) -> str | None:
-        """Why the copy could not be rebuilt (its partial files removed), or None."""
-        if self.error is None and self.wanted:
-            self.error = f"rebuilding {self.target}: codewords {sorted(self.wanted)} incomplete"
-        if self.error is None:
-            try:
-                if self.target.exists():
-                    shutil.rmtree(self.target)
-                os.rename(self.partial, self.target)
-            except OSError as exc:
-                self.error = f"rebuilding {self.target}: {exc}"
-        shutil.rmtree(self.partial, ignore_errors=True)
-        return self.error
-
-
-def _spans(files: dict[str, int], chunk: int, size: int):  # noqa: ANN202
-    """Where chunk ``chunk`` (``size`` bytes) of a copy's files, taken in their commit
-    order as one stream, lies: (file, offset in it, start, end in the chunk)."""
-    lo, hi = chunk * size, (chunk + 1) * size
-    at = 0
-    for name in _ordered(list(files)):
-        end = at + files[name]
-        if end > lo and at < hi:
-            start = max(lo, at)
-            yield name, start - at, start - lo, min(hi, end) - lo
-        at = end
-
-
-def _read_stream(d: Path, files: dict[str, int], chunk: int, size: int) -> np.ndarray:
-    """Chunk ``chunk`` of the copy in ``d`` (zeros past its end)."""
-    out = np.zeros(size, dtype=np.uint8)
-    for name, at, lo, hi in _spans(files, chunk, size):
-        with open(d / name, "rb") as f:
-            f.seek(at)
-            f.readinto(memoryview(out)[lo:hi])
-    return out
-
-
-def _digest(data: np.ndarray) -> str:
-    return xxhash.xxh3_64_hexdigest(memoryview(data))
-
-
-def write_manifest(parity_dir: Path, manifest: dict[str, Any]) -> None:
-    """The parity copy's manifest, written last and whole (the storage layer's
-    temporary name and rename): a parity copy without it is not offered."""
-    open_storage(parity_dir).write_small_durably(PARITY_MANIFEST, json.dumps(manifest).encode())
