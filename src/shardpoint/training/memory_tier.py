@@ -39,6 +39,7 @@ import torch
 from .. import dist
 from ..background_save import Stager, lower_priority
 from ..commit import Commit
+from ..defaults import DEFAULT_THREADS
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -54,7 +55,8 @@ from ..names import (
     parse_step_dir,
     step_dir,
 )
-from ..saving import DEFAULT_THREADS, SaveOptions, run_save
+from ..save_records import SaveOptions
+from ..saving import run_save
 from ..staging import StagingPool
 from ..storage import open_storage
 from ..tree import flatten
