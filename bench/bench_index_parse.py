@@ -23,7 +23,8 @@ import torch
 from bench_save_load import small_state
 
 import shardpoint
-from shardpoint.format.index import INDEX_NAME, parse_index
+from shardpoint.format.index import INDEX_NAME
+from shardpoint.format.parse import parse_index
 
 
 def per_tensor(fn: Callable[[], object], reps: int, tensors: int) -> tuple[float, float]:

@@ -49,9 +49,9 @@ with atheris.instrument_imports(include=["shardpoint"]):
         INDEX_NAME,
         MARKER_NAME,
         checksum,
-        marker_json,
-        parse_index,
     )
+    from shardpoint.format.marker import marker_json
+    from shardpoint.format.parse import parse_index
     from shardpoint.format.safetensors import DTYPES, header_length, parse_header
     from shardpoint.names import fragment_file
 

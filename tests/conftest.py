@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardpoint.format.index import INDEX_NAME, MARKER_NAME, marker_json
+from shardpoint.format.index import INDEX_NAME, MARKER_NAME
+from shardpoint.format.marker import marker_json
 
 # ---- no silent skips ----------------------------------------------------------------------
 # A skipped or expected-to-fail test proves nothing, and in CI a missing dependency must

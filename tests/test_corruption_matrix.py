@@ -156,7 +156,8 @@ def test_a_pickle_file_in_a_checkpoint_is_never_opened_and_an_index_naming_one_i
     assert state["step"] == 2
     import json
 
-    from shardpoint.format.index import INDEX_NAME, marker_json
+    from shardpoint.format.index import INDEX_NAME
+    from shardpoint.format.marker import marker_json
 
     doc = json.loads((path / INDEX_NAME).read_text())
     doc["files"]["model.pkl"] = {"size": 5}

@@ -22,8 +22,8 @@ from shardpoint.format.index import (
     Chunk,
     Index,
     TensorEntry,
-    parse_index,
 )
+from shardpoint.format.parse import parse_index
 from shardpoint.format.safetensors import DTYPES
 
 

@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardpoint.format import index as index_format
+from shardpoint.errors import CorruptCheckpointError
+from shardpoint.format import coverage
+from shardpoint.format.index import Chunk
 
 
 def _pairwise_disjoint(boxes):
@@ -61,14 +63,14 @@ def test_the_overlap_check_agrees_with_comparing_every_pair(seed, dims, pieces, 
     if len(boxes) < 2:
         return
     expected = _pairwise_disjoint(boxes)
-    assert index_format._disjoint(boxes) == expected
-    arrays = index_format._boxes(_chunks(boxes), dims)  # as the parser checks many chunks
-    assert index_format._disjoint_arrays(arrays, tuple(shape)) == expected
+    assert coverage._disjoint(boxes) == expected
+    arrays = coverage._boxes(_chunks(boxes), dims)  # as the parser checks many chunks
+    assert coverage._disjoint_arrays(arrays, tuple(shape)) == expected
 
 
 def _chunks(boxes):
     return tuple(
-        index_format.Chunk(
+        Chunk(
             "f",
             "k",
             tuple(lo for lo, _ in b),
@@ -106,17 +108,17 @@ def test_a_tensor_of_many_chunks_is_checked_without_comparing_them_pairwise(
         shape = (n, 64)
     chunks = _chunks(boxes)
     calls = []
-    real = index_format._sweep_disjoint
-    monkeypatch.setattr(index_format, "_sweep_disjoint", lambda b: calls.append(len(b)) or real(b))
+    real = coverage._sweep_disjoint
+    monkeypatch.setattr(coverage, "_sweep_disjoint", lambda b: calls.append(len(b)) or real(b))
 
     def check(chunks):
-        boxes = index_format._boxes(chunks, 2) if as_arrays else None
-        index_format._check_cover("t", shape, chunks, "index.json", boxes)
+        boxes = coverage._boxes(chunks, 2) if as_arrays else None
+        coverage._check_cover("t", shape, chunks, "index.json", boxes)
 
     check(chunks)
     assert calls == []  # a sort (one split dimension) or the grid check decided it
     clash = chunks[:-1] + (chunks[0],)  # one chunk twice, the last one missing
-    with pytest.raises(index_format.CorruptCheckpointError, match="overlap"):
+    with pytest.raises(CorruptCheckpointError, match="overlap"):
         check(clash)
 
 
@@ -133,8 +135,8 @@ def test_an_irregular_two_dimensional_tiling_is_swept_not_compared_pairwise(monk
         compared.append(1)
         return real_all(it)
 
-    monkeypatch.setattr(index_format, "all", counting_all, raising=False)
-    assert index_format._disjoint(boxes)
+    monkeypatch.setattr(coverage, "all", counting_all, raising=False)
+    assert coverage._disjoint(boxes)
     assert len(compared) == 0  # the 2-D sweep never compares box against box
     boxes.append([(rows - 1, rows), (150, 151)])  # inside a short row
-    assert not index_format._disjoint(boxes)
+    assert not coverage._disjoint(boxes)

@@ -409,13 +409,13 @@ def test_the_relay_tree_reaches_every_rank_once_within_ceil_log2_rounds():
 
 def _detect_directories(rank: int, world: int, root: str) -> None:
     from shardpoint.storage.local import LocalDirectory
-    from shardpoint.training.manager import _directory_per_node
+    from shardpoint.training.node_layout import directory_per_node
 
     _as_node(rank)
     log: list[tuple[str, int]] = []
     count_received(log)
-    own = _directory_per_node(LocalDirectory(_node_dir(root, rank // RANKS_PER_NODE)))
-    shared = _directory_per_node(LocalDirectory(Path(root) / "shared"))
+    own = directory_per_node(LocalDirectory(_node_dir(root, rank // RANKS_PER_NODE)))
+    shared = directory_per_node(LocalDirectory(Path(root) / "shared"))
     Path(root, f"detect{rank}.json").write_text(json.dumps([own, shared, log]))
 
 

@@ -58,7 +58,7 @@ MUTATIONS = [
     Mutation(
         "parity pieces used unchecked",
         "a rebuild never uses a corrupt piece",
-        "src/shardpoint/training/memory_tier.py",
+        "src/shardpoint/training/parity.py",
         '        if which["index"] != "sum" and digest(piece) != which["hash"]:\n',
         "        if False:\n",
         (ERASURE + "test_a_corrupt_parity_piece_is_caught_by_the_rebuilding_rank",),
@@ -86,7 +86,7 @@ MUTATIONS = [
     Mutation(
         "an orphaned replica of its owner ignored",
         "ranks that moved restore from memory",
-        "src/shardpoint/training/memory_tier.py",
+        "src/shardpoint/training/memory_restore_plan.py",
         "        elif holder == owner and not copies[(owner, newest)][1]:\n",
         "        elif False:\n",
         (
@@ -97,7 +97,7 @@ MUTATIONS = [
     Mutation(
         "a rebuild planned with too few pieces",
         "more losses than parity fall back to the disk",
-        "src/shardpoint/training/memory_tier.py",
+        "src/shardpoint/training/memory_restore_plan.py",
         "            if len(found) < pl.k:\n",
         "            if not found:\n",
         (ERASURE + "test_more_lost_nodes_than_parity_fall_back_to_the_disk",),
@@ -316,7 +316,7 @@ MUTATIONS = [
     Mutation(
         "event log raises",
         "writes after the commit are best effort",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/events.py",
         "            except Exception as exc:  # OSError (ENOSPC, EROFS...), the object store's "
         "too",
         "            except ZeroDivisionError as exc:",
@@ -325,7 +325,7 @@ MUTATIONS = [
     Mutation(
         "deletion failure raises",
         "read-only checkpoints restore and list",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/housekeeping.py",
         "        except (OSError, CheckpointError) as exc:  # read-only, permissions, "
         "another writer",
         "        except ZeroDivisionError as exc:",
@@ -834,7 +834,7 @@ MUTATIONS = [
     Mutation(
         "local steps all-gathered",
         "what a rank receives does not grow with the ranks (restore)",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/restore.py",
         "        every_rank = dist.gather_json(sorted(local))"
         "  # on rank 0, which sends the union\n",
         "        every_rank = dist.all_gather_json(sorted(local))\n",
@@ -846,7 +846,7 @@ MUTATIONS = [
     Mutation(
         "probe verdicts all-gathered",
         "what a rank receives does not grow with the ranks (directory detection)",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/node_layout.py",
         "    separate = bool(dist.max_of([int(blind)])[0])"
         "  # also: all have looked before any probe goes\n",
         "    separate = any(dist.all_gather_json(blind))\n",
@@ -918,7 +918,7 @@ MUTATIONS = [
     Mutation(
         "remote read first",
         "a replaced node alone reads from the remote",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/restore.py",
         "            copies.append(remote_copy)",
         "            copies.insert(0, remote_copy)",
         (
@@ -951,7 +951,7 @@ MUTATIONS = [
     Mutation(
         "retention ignores references",
         "deleting a checkpoint keeps the files others refer to",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/housekeeping.py",
         "                kept = source.kept_files(step, references)\n",
         "                kept = ()\n",
         (
@@ -1118,7 +1118,7 @@ MUTATIONS = [
         "every rank acts on the same preemption decision",
         "src/shardpoint/training/manager.py",
         "        preempting = self._preempting\n",
-        "        preempting = self._signal is not None\n",
+        "        preempting = self.preemption.signal is not None\n",
         (
             "tests/test_checkpoint_manager.py::"
             "test_a_signal_between_the_agreement_and_the_save_counts_for_the_next_save",
@@ -1184,7 +1184,7 @@ MUTATIONS = [
     Mutation(
         "retention drops the save just made",
         "earlier checkpoints never damaged (retention)",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/housekeeping.py",
         "        keep = self.retention.keep(candidates) | {saved} | unreadable\n",
         "        keep = self.retention.keep(candidates) | unreadable\n",
         (MANAGER + "test_the_save_just_made_is_kept_beside_a_higher_damaged_step",),
@@ -1192,7 +1192,7 @@ MUTATIONS = [
     Mutation(
         "retention deletes through links",
         "earlier checkpoints never damaged (retention)",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/housekeeping.py",
         "        keep = keep | {s for s in steps if source.linked(s)}"
         "  # never deleted through a link\n",
         "",
@@ -1201,7 +1201,7 @@ MUTATIONS = [
     Mutation(
         "unreadable best metric guessed",
         "earlier checkpoints never damaged (retention)",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/housekeeping.py",
         "                    if isinstance(exc.__cause__, OSError):",
         "                    if False:",
         (MANAGER + "test_a_best_metric_that_cannot_be_read_deletes_nothing_that_round",),
@@ -1217,7 +1217,7 @@ MUTATIONS = [
     Mutation(
         "remote retention drops the upload",
         "earlier checkpoints never damaged (remote)",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/housekeeping.py",
         "for s in steps]) | {uploaded}",
         "for s in steps])",
         (MANAGER + "test_remote_retention_keeps_the_step_just_uploaded",),
@@ -1225,7 +1225,7 @@ MUTATIONS = [
     Mutation(
         "memory tier shared between runs",
         "exact resume (memory tier: the run's own copy)",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/node_layout.py",
         '    return "job-" + hashlib.sha256(f"{where}\\n{chosen}".encode()).hexdigest()[:16]',
         '    return "job-" + hashlib.sha256(str(directory).encode()).hexdigest()[:16]',
         ("tests/test_memory_tier.py::test_a_new_run_never_restores_an_earlier_runs_memory_copy",),
@@ -1295,7 +1295,7 @@ MUTATIONS = [
     Mutation(
         "restore error on one rank not agreed",
         "clear errors (no hang on one rank's failure)",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/restore.py",
         "        except Exception as exc:  # anything else (a Stateful's own error): raised on e",
         "        except ZeroDivisionError as exc:  #",
         (MANAGER + "test_an_error_on_one_rank_during_restore_is_raised_on_every_rank",),
@@ -1324,7 +1324,9 @@ MUTATIONS = [
         "passed-over step skipped",
         "exact resume (a resumed run's own saves)",
         "src/shardpoint/training/manager.py",
-        "        if self._unusable:\n            self._set_aside_unusable()\n",
+        "        if self._passed_over:\n"
+        "            passed, self._passed_over = self._passed_over, {}\n"
+        "            self.housekeeping.set_aside_passed_over(passed)\n",
         "",
         (MANAGER + "test_steps_a_restore_passed_over_are_saved_anew_by_the_resumed_run",),
     ),
@@ -1406,7 +1408,7 @@ MUTATIONS = [
     Mutation(
         "rollback keeps newer memory copies",
         "rollback: no tier restores past it",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/housekeeping.py",
         "            self.memory.discard(rollback.passes_over)\n",
         "            pass\n",
         (ROLLBACK + "test_a_rollback_drops_newer_memory_copies_written_before_it",),
@@ -1414,7 +1416,7 @@ MUTATIONS = [
     Mutation(
         "rollback leaves the remote",
         "rollback: no tier restores past it",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/housekeeping.py",
         '            tiers.append(("remote", self.remote))\n        for name, tier in tiers:\n',
         "            pass\n        for name, tier in tiers:\n",
         (ROLLBACK + "test_a_rollback_sets_aside_the_remote_copies_too_keeping_their_bytes",),
@@ -1422,7 +1424,7 @@ MUTATIONS = [
     Mutation(
         "explicit older restore sets nothing aside",
         "restore(step=N): later saves and retention correct",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/restore.py",
         '                    passed = {s: ({"local", "remote"}, "superseded") for s in newer}\n',
         "                    passed = {}\n",
         (
@@ -1434,8 +1436,8 @@ MUTATIONS = [
         "NaN saved",
         "never committing NaN",
         "src/shardpoint/training/manager.py",
-        '        if first is None:\n            return\n        self._log("save_refused"',
-        '        if True:\n            return\n        self._log("save_refused"',
+        '        if first is None:\n            return\n        self.events.log("save_refused"',
+        '        if True:\n            return\n        self.events.log("save_refused"',
         (ROLLBACK + "test_a_state_with_nan_is_never_committed_and_the_good_checkpoints_stay",),
     ),
     Mutation(
@@ -1481,7 +1483,7 @@ MUTATIONS = [
     Mutation(
         "restarts ignore the memory tier",
         "elastic restarts recover from host memory, losing at most its interval",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/restore.py",
         "            if in_memory is not None and in_memory >= max(on_disk | remote, "
         "default=-1):\n",
         "            if False:\n",
@@ -1517,7 +1519,7 @@ MUTATIONS = [
     Mutation(
         "the step just saved taken as good",
         "a streak of diverged saves keeps the last good checkpoint",
-        "src/shardpoint/training/manager.py",
+        "src/shardpoint/training/housekeeping.py",
         "            if step == saved and saved_good or step != saved and self._good(step):\n",
         "            if step == saved or self._good(step):\n",
         (

@@ -21,11 +21,10 @@ from .format.index import (
     Fragment,
     Index,
     TensorEntry,
-    check_marker,
     checksum,
-    parse_fragment,
-    parse_index,
 )
+from .format.marker import check_marker
+from .format.parse import parse_fragment, parse_index
 from .format.safetensors import Header, header_length, parse_header
 from .names import fragment_file
 from .storage import CheckpointStorage, open_storage

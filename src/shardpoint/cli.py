@@ -32,6 +32,7 @@ from .names import is_own_file, parse_step_dir, writer_rank
 from .reader import CheckpointReader
 from .references import referenced_files
 from .storage import join, open_storage
+from .training.retention import KeptCheckpoint, RetentionPolicy
 from .verify import verify
 from .version import __version__
 
@@ -504,7 +505,10 @@ def _prune(args: argparse.Namespace) -> int:
     # loadable checkpoints are always the ones kept.
     why_not = {r["path"]: _left_alone_because(r) for r in rows}
     candidates = [r for r in rows if why_not[r["path"]] is None]  # oldest step first
-    keep = {r["path"] for r in candidates[-args.keep_last :]}
+    # The manager's retention rule, keep_last alone: the newest loadable ones are kept.
+    policy = RetentionPolicy(keep_last=args.keep_last, keep_last_good=None)
+    kept_steps = policy.keep([KeptCheckpoint(r["step"]) for r in candidates])
+    keep = {r["path"] for r in candidates if r["step"] in kept_steps}
     delete = [r for r in candidates if r["path"] not in keep]
     gone = {r["path"] for r in delete}
     # Files the remaining committed checkpoints refer to (incremental saves) stay, in a
@@ -556,7 +560,6 @@ def _rollback(args: argparse.Namespace) -> int:
     one implementation of what a rollback sets aside and records."""
     from .training.manager import CheckpointManager
     from .training.options import RemoteTier
-    from .training.retention import RetentionPolicy
 
     if not os.path.isdir(args.path) and "://" not in args.path:
         raise CheckpointError(f"{args.path}: no such directory (a CheckpointManager's)")
@@ -675,7 +678,7 @@ def run_status(path: str, max_age: float | None = None, tier: str = "disk") -> d
     newest is older than ``max_age`` seconds."""
     from .metrics import FAILURES, CheckpointMetrics
     from .report import restore_tier
-    from .training.manager import EventLog
+    from .training.events import EventLog
 
     storage = open_storage(path)
     if not storage.exists():

@@ -18,7 +18,7 @@ from collections.abc import Collection, Iterable
 
 from .checkpoint_dir import MAX_MARKER_BYTES
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
-from .format.index import checkpoint_id, marker_json
+from .format.marker import checkpoint_id, marker_json
 from .names import INDEX_NAME, MARKER_NAME, PRUNED_NAME, is_own_file
 from .storage import CheckpointStorage, WriterLock
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from .errors import CheckpointError
 from .storage import open_storage
-from .training.manager import EventLog
+from .training.events import EventLog
 
 
 def save_report(directory: Path, out: Path | None = None) -> dict[str, Any]:

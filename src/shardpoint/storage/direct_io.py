@@ -6,9 +6,12 @@ offset agree modulo the page size is written straight from its memory; everythin
 else is copied into page-aligned bounce buffers first. File systems without O_DIRECT
 (tmpfs, some FUSE mounts) fall back to buffered writes from tensor memory.
 
-Reads use O_DIRECT for files that are not in the page cache and the cache for those
-that are (see ``read_ranges``). Only ``storage/local.py`` uses this module; everything
-above the storage protocol reaches files through a backend.
+Reads of segments of ZERO_COPY_MIN_BYTES or more use O_DIRECT for files that are not in
+the page cache and the cache for those that are; smaller segments always go through the
+cache, straight into their memory (see ``read_ranges``). ``storage/local.py`` is the only
+backend built on this module and the only user of its I/O engine (``write_files``,
+``read_ranges``, ``StreamingFile``); ``convert.py`` and ``training/tiers.py`` import just
+the file helpers ``fsync_directory`` and ``link_new``.
 """
 
 from __future__ import annotations
@@ -446,8 +449,9 @@ def _zero_copy_interiors(segments: list[Segment]) -> list[tuple[int, int, Segmen
 
     O_DIRECT needs the memory address, the file offset and the length page aligned. When
     a tensor's address and its file offset are congruent modulo the page size, every
-    whole page inside it qualifies. The writer places data so large tensors from the
-    CPU allocator are congruent (see ``data_alignment``).
+    whole page inside it qualifies. A save that writes from tensor memory (not from
+    staging slots) pads each file's header so the data starts at the page offset most
+    of the file's large tensors have in memory (``layout._data_start_mod``).
     """
     out = []
     for s in segments:

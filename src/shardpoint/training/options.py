@@ -1,6 +1,7 @@
 """The manager's options, grouped: when to save, where the other tiers are, how to write.
 
-Retention (which checkpoints to keep) is ``retention.RetentionPolicy``.
+Retention (which checkpoints to keep) is ``retention.RetentionPolicy``. ``MOVED_OPTIONS``:
+the keyword arguments of earlier releases that now live in one of these.
 """
 
 from __future__ import annotations
@@ -128,3 +129,28 @@ class IOOptions:
     def __post_init__(self) -> None:
         if self.verify not in ("full", "fast"):
             raise ValueError("verify must be 'full' or 'fast'")
+
+
+# Keyword arguments of earlier releases, and where each option lives now.
+MOVED_OPTIONS = {
+    "every_n_steps": "policy=SavePolicy(every_n_steps=...)",
+    "every_n_seconds": "policy=SavePolicy(every_n_seconds=...)",
+    "keep_last": "retention=RetentionPolicy(keep_last=...)",
+    "memory_every_n_steps": "memory=MemoryTierOptions(every_n_steps=...)",
+    "max_shard_size": "io=IOOptions(max_shard_size=...)",
+    "threads": "io=IOOptions(threads=...)",
+    "verify": "io=IOOptions(verify=...)",
+    "storage_options": "io=IOOptions(storage_options=...)",
+}
+
+
+def moved_options_message(given: dict[str, Any]) -> str:
+    """The message for keyword arguments CheckpointManager does not take: the new
+    spelling of each one that moved, or that it is unknown."""
+    parts = [
+        f"{name}= is now {MOVED_OPTIONS[name]}"
+        if name in MOVED_OPTIONS
+        else f"unexpected keyword argument {name!r}"
+        for name in given
+    ]
+    return "CheckpointManager(): " + "; ".join(parts)

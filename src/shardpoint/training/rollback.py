@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import dist
 from ..errors import CheckpointError
 from ..names import ROLLBACKS_NAME
 from ..storage import CheckpointStorage
+from .tiers import CheckpointTier
 
 _MAX_BYTES = 16 * 1024 * 1024
 
@@ -79,6 +82,44 @@ def write_rollbacks(storage: CheckpointStorage, rollbacks: list[Rollback]) -> No
     storage.write_small_durably(
         ROLLBACKS_NAME, json.dumps([asdict(r) for r in rollbacks], indent=1).encode()
     )
+
+
+def agreed_rollbacks(local: CheckpointTier, remote: CheckpointTier | None) -> list[Rollback]:
+    """Collective: the run's rollbacks (rank 0 reads its directory's record and the
+    remote's, and sends the union: the same list on every rank)."""
+    found: Any = None
+    if dist.rank() == 0:
+        lists = [_read_or_warn(local)]
+        if remote is not None:
+            lists.append(_read_or_warn(remote))
+        found = [vars(r) for r in merged(*lists)]
+    return [Rollback(**r) for r in dist.broadcast_json(found)]
+
+
+def _read_or_warn(tier: CheckpointTier) -> list[Rollback]:
+    try:
+        return read_rollbacks(tier.storage)
+    except CheckpointError as exc:  # a store down, or a damaged record
+        warnings.warn(f"{tier.root}: rollbacks not read: {exc}", stacklevel=4)
+        return []
+
+
+def record_rollbacks(
+    rollbacks: list[Rollback], local: CheckpointTier, remote: CheckpointTier | None, keeper: bool
+) -> None:
+    """Write the agreed rollbacks where they are read: every node's directory (by its
+    keeper) and the remote (by rank 0). Best effort: a failure is a warning."""
+    where = [local] if keeper else []
+    if dist.rank() == 0 and remote is not None:
+        where.append(remote)
+    for tier in where:
+        try:
+            write_rollbacks(tier.storage, rollbacks)
+        except (OSError, CheckpointError) as exc:
+            warnings.warn(
+                f"{tier.root}: cannot record the rollback ({exc}); a restart will not know of it",
+                stacklevel=3,
+            )
 
 
 def add_rollback(rollbacks: list[Rollback], new: Rollback) -> tuple[list[Rollback], Rollback]:

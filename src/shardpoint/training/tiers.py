@@ -22,7 +22,8 @@ from ..checkpoint_copy import copy_checkpoint
 from ..checkpoint_dir import MAX_INDEX_BYTES
 from ..commit import Commit
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..format.index import Index, parse_index, split_reference
+from ..format.index import Index, split_reference
+from ..format.parse import parse_index
 from ..names import (
     INDEX_NAME,
     PRUNED_NAME,
