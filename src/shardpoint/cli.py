@@ -2,6 +2,10 @@
 
 Exit status of every command: 0 success, 1 the check failed (corrupt checkpoint,
 differences found), 2 error (unreadable input, bad arguments).
+
+One module although long: every command is a short adapter (its arguments, one library
+call, its output) and they share the exit-status and error handling above; split by
+command, each file would hold little but imports.
 """
 
 from __future__ import annotations

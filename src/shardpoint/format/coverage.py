@@ -242,10 +242,10 @@ def _disjoint_arrays(boxes: _Boxes, shape: tuple[int, ...]) -> bool:
     return _sweep_disjoint([list(zip(a, b)) for a, b in zip(lo.tolist(), hi.tolist())])
 
 
-Box = list[tuple[int, int]]  # [lo, hi) per dimension
+Extent = list[tuple[int, int]]  # [lo, hi) per dimension; tensor_memory.Box is (lo, hi)
 
 
-def _disjoint(boxes: list[Box]) -> bool:
+def _disjoint(boxes: list[Extent]) -> bool:
     if len(boxes[0]) == 1:
         spans = sorted(b[0] for b in boxes)
         return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
@@ -254,7 +254,7 @@ def _disjoint(boxes: list[Box]) -> bool:
     return _sweep_disjoint(boxes)
 
 
-def _grid_cells_distinct(boxes: list[Box]) -> bool:
+def _grid_cells_distinct(boxes: list[Extent]) -> bool:
     """Every box is one cell of the grid drawn by all boxes' edges, and no cell is
     taken twice (then no two overlap). False if the boxes do not form a grid."""
     rank: list[dict[int, int]] = []
@@ -272,7 +272,7 @@ def _grid_cells_distinct(boxes: list[Box]) -> bool:
     return len(cells) == len(boxes)
 
 
-def _sweep_disjoint(boxes: list[Box]) -> bool:
+def _sweep_disjoint(boxes: list[Extent]) -> bool:
     """Sweep along the first dimension; the boxes open at a coordinate must be disjoint
     in the others. With two dimensions the open intervals are kept sorted, so a new
     one is compared with its two neighbours only."""
@@ -294,7 +294,7 @@ def _sweep_disjoint(boxes: list[Box]) -> bool:
             starts.insert(at, lo)
             ends.insert(at, hi)
         return True
-    open_: dict[int, Box] = {}
+    open_: dict[int, Extent] = {}
     for _, is_start, i in events:
         if not is_start:
             del open_[i]

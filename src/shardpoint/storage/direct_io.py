@@ -12,6 +12,9 @@ cache, straight into their memory (see ``read_ranges``). ``storage/local.py`` is
 backend built on this module and the only user of its I/O engine (``write_files``,
 ``read_ranges``, ``StreamingFile``); ``convert.py`` and ``training/tiers.py`` import just
 the file helpers ``fsync_directory`` and ``link_new``.
+
+One module although long: writes and reads share the alignment rules, the bounce-buffer
+pool and the buffered fallback, and they are tested together as one engine.
 """
 
 from __future__ import annotations
