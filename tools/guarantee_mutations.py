@@ -54,6 +54,7 @@ ROLLBACK = "tests/test_rollback.py::"
 GRACE = "tests/test_preemption_grace.py::"
 CAMPAIGN = "tests/test_goodput_campaign.py::"
 ERASURE = "tests/test_memory_erasure.py::"
+LOAD_BUDGET = "tests/test_load_memory_budget.py::"
 MUTATIONS = [
     Mutation(
         "parity pieces used unchecked",
@@ -1526,6 +1527,23 @@ MUTATIONS = [
             "tests/test_checkpoint_manager.py::"
             "test_a_streak_of_diverged_saves_never_rotates_the_last_good_checkpoint_out",
         ),
+    ),
+    Mutation(
+        "load stages past its budget",
+        "a load holds at most its host-memory budget of new tensors",
+        "src/shardpoint/loading.py",
+        "                        while reads and (reads[0][0].done() or staged > batch.staged):\n",
+        "                        while reads and reads[0][0].done():\n",
+        (LOAD_BUDGET + "test_a_load_that_cannot_read_in_place_holds_at_most_its_budget",),
+    ),
+    Mutation(
+        "placed batch without an undo copy",
+        "a failed load changes nothing (batches placed before the failure)",
+        "src/shardpoint/loading.py",
+        "                        if p.live:\n                            undo.save([p.copy[0]])\n"
+        "                        p.copy[0].copy_(p.copy[1])\n",
+        "                        p.copy[0].copy_(p.copy[1])\n",
+        (LOAD_BUDGET + "test_batches_placed_before_a_corrupt_one_are_put_back",),
     ),
 ]
 

@@ -4,20 +4,23 @@ Every check that needs no tensor bytes (commit marker, index, file sizes, shard
 headers, keys, shapes, dtypes, optimizer parameter groups) runs before the first byte
 is read. A stored chunk that lands whole in contiguous CPU memory is read straight
 into it; otherwise (resharding, other devices, strided tensors) the rows needed are
-read into a temporary tensor and copied once every read is verified.
+read into new tensors, at most ``max_host_bytes`` of them at a time, each batch copied
+into place as soon as its reads are verified.
 
 A load that fails after all (a checksum, an unreadable file, a ``Stateful`` rejecting
 its state) leaves the state as it was (``atomic=True``, the default): the old bytes of
-every CPU tensor overwritten in place are kept in an undo copy, taken batch by batch
-just ahead of the reads, and put back on failure (docs/reliability.md). Destinations
-on a GPU need no undo copy: they are written only after every read is verified.
+every CPU tensor overwritten are kept in an undo copy, taken batch by batch just ahead
+of the writes, and put back on failure (docs/reliability.md). Destinations on a GPU
+need no undo copy: they are written only after every read is verified, which holds
+their new tensors in host memory until then (``atomic=False`` bounds those too).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +29,7 @@ import torch
 
 from . import dist
 from .checkpoint_dir import CommittedCheckpoint, open_committed
-from .defaults import DEFAULT_THREADS
+from .defaults import DEFAULT_LOAD_HOST_BYTES, DEFAULT_THREADS
 from .errors import CorruptCheckpointError, StateMismatchError, UnsupportedValueError
 from .format.index import Chunk, TensorEntry, checksum
 from .format.safetensors import DTYPES
@@ -49,6 +52,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     atomic: bool = True,
     share_reads: bool = False,
+    max_host_bytes: int = DEFAULT_LOAD_HOST_BYTES,
 ) -> None:
     """Load the checkpoint at ``path`` (a directory or an object-store URL) into
     ``state`` in place, all or nothing.
@@ -64,6 +68,11 @@ def load(
     docs/benchmarks.md); ``atomic=False`` skips it, and a failed load then leaves
     those tensors partly overwritten.
 
+    ``max_host_bytes`` bounds the new tensors a load holds at once for what it cannot
+    read in place (a reshard, a transposed or other strided destination): about that
+    many, on top of the undo copy. Atomic loads onto a GPU are the exception: they hold
+    all of theirs until every read is verified (pass ``atomic=False`` to bound them).
+
     ``share_reads`` (under ``torch.distributed``; every rank must call ``load`` with
     it): a stored chunk several ranks need — DDP parameters, HSDP replicas of a shard,
     a chunk a resharded cut splits between ranks — is read from storage once, by one of
@@ -75,6 +84,8 @@ def load(
     >>> state["step"], state["w"].tolist()
     (7, [1.0, 1.0])
     """
+    if max_host_bytes < 1:
+        raise ValueError(f"max_host_bytes must be a positive number of bytes, not {max_host_bytes}")
     share = share_reads and dist.is_distributed() and not dist.in_solo()
     where = str(path)
     try:
@@ -89,7 +100,9 @@ def load(
     try:
         if shared is not None and shared.error is not None:
             raise shared.error
-        undo = reads.run(threads=threads, verify=verify, atomic=atomic)
+        undo = reads.run(
+            threads=threads, verify=verify, atomic=atomic, max_host_bytes=max_host_bytes
+        )
     except Exception as exc:
         if shared is None:
             raise
@@ -193,6 +206,15 @@ class _Pending:
 
 
 @dataclass(slots=True)
+class _Batch:
+    """Reads that go to the reader together (file -> segments), and how many bytes of
+    new tensors they fill that are placed as soon as the batch is verified."""
+
+    segments: dict[str, list[Segment]] = field(default_factory=dict)
+    staged: int = 0
+
+
+@dataclass(slots=True)
 class ChunkRows:
     """Rows ``[a, b)`` of a stored chunk, read into a tensor of their own (a region
     needs only some rows, or several ranks need them: shared reads); ``tensor`` holds
@@ -291,62 +313,104 @@ class ReadPlan:
         """All of ``chunk``, as a region exactly its size reads it into ``tensor``."""
         return ChunkRows(entry, chunk, 0, chunk.rows, tensor, 0)
 
-    def run(self, *, threads: int, verify: bool, direct: bool = True, atomic: bool = False) -> Undo:
+    def run(
+        self,
+        *,
+        threads: int,
+        verify: bool,
+        direct: bool = True,
+        atomic: bool = False,
+        max_host_bytes: int = DEFAULT_LOAD_HOST_BYTES,
+    ) -> Undo:
         """Read, verify and place every region. With ``atomic``, on any error the live
         regions are as before, and on success the returned ``Undo`` can still put them
         back; without, live regions are written as their reads land.
 
         Reads start as soon as their batch is planned: one reader thread takes the
-        batches in order while this thread plans the next ones."""
+        batches in order while this thread plans the next ones. What cannot be read in
+        place is read into new tensors, at most ``max_host_bytes`` of them at a time
+        (plus one piece): each batch is copied into place once its reads are verified
+        and its tensors dropped before more are planned. Live destinations off the CPU
+        are the exception under ``atomic``: they are written only once every read is
+        verified, so their new tensors wait until then."""
         pending: dict[int, _Pending] = {}  # id(segment) -> what it holds
 
         def verify_segment(segment: Segment) -> None:
             _verify_blocks(self.ckpt, pending[id(segment)], segment)
 
-        def in_place(batch: dict[str, list[Segment]]) -> list[torch.Tensor]:
+        def in_place(batch: _Batch) -> list[torch.Tensor]:
             return [
                 s.data
-                for ss in batch.values()
+                for ss in batch.segments.values()
                 for s in ss
                 if pending[id(s)].live and pending[id(s)].copy is None
             ]
+
+        def deferred(p: _Pending) -> bool:  # written only after every read is verified
+            assert p.copy is not None
+            return atomic and p.live and not p.copy[0].is_cpu
+
+        def place(batch: _Batch) -> None:
+            """Copy a verified batch's new tensors into place and let them go."""
+            with torch.no_grad():
+                for s in (s for ss in batch.segments.values() for s in ss):
+                    p = pending[id(s)]
+                    if p.copy is not None and not deferred(p):
+                        if p.live:
+                            undo.save([p.copy[0]])
+                        p.copy[0].copy_(p.copy[1])
+                        del pending[id(s)]
 
         undo = Undo(atomic)
         # The undo copy of a batch runs while the batch before it is read, in pieces on
         # up to half the cores: filling fresh memory is what it costs, not the copy,
         # and the other half keep the reads and checksums going.
         workers = max(1, min(threads, (os.cpu_count() or 2) // 2))
-        reads: list[Future] = []
+        # Two batches of new tensors at a time, one being read while the next is
+        # planned: each ends by half the budget, made of pieces of an eighth of it.
+        piece_bytes = max(1, max_host_bytes // 8)
+        reads: deque[tuple[Future, _Batch]] = deque()
+        staged = 0  # bytes of new tensors planned and not yet placed (deferred ones aside)
         try:
             with (
                 ThreadPoolExecutor(workers, thread_name_prefix="shardpoint-undo") as saver,
                 ThreadPoolExecutor(1, thread_name_prefix="shardpoint-reader") as reader,
             ):
 
-                def read(batch: dict[str, list[Segment]]) -> None:
+                def read(batch: _Batch) -> None:
                     ahead = undo.save_ahead(saver, in_place(batch))
 
                     def job() -> None:
                         for piece in ahead:  # a batch is overwritten only once it is saved
                             piece.result()
                         self.ckpt.storage.read_ranges(
-                            batch,
+                            batch.segments,
                             threads=threads,
                             direct=direct,
                             on_segment=verify_segment if verify else None,
                         )
 
-                    reads.append(reader.submit(job))
+                    reads.append((reader.submit(job), batch))
+
+                def settle_oldest() -> None:
+                    nonlocal staged
+                    done, batch = reads.popleft()
+                    done.result()
+                    place(batch)
+                    staged -= batch.staged
 
                 try:
-                    for batch in self._batches(pending, verify):
+                    for batch in self._batches(pending, verify, piece_bytes, deferred):
                         read(batch)
-                        if reads[0].done():  # a read that failed early stops the planning
-                            reads.pop(0).result()
-                    for done in reads:
-                        done.result()
+                        staged += batch.staged
+                        # A read that failed early stops the planning; new tensors
+                        # beyond the budget wait for the batches before them.
+                        while reads and (reads[0][0].done() or staged > batch.staged):
+                            settle_oldest()
+                    while reads:
+                        settle_oldest()
                 except BaseException:
-                    for later in reads:
+                    for later, _ in reads:
                         later.cancel()
                     raise
             # Leaving the pools waited for every read and undo copy still running:
@@ -355,12 +419,10 @@ class ReadPlan:
             undo.restore()
             raise
         try:
-            with torch.no_grad():  # every read is verified: now the copies into place
+            with torch.no_grad():  # every read is verified: the rest into place
                 for p in pending.values():
                     if p.copy is not None:
-                        if p.live:
-                            undo.save([p.copy[0]])
-                        p.copy[0].copy_(p.copy[1])
+                        p.copy[0].copy_(p.copy[1])  # deferred: off the CPU, no undo copy
                 for regions in self.regions.values():
                     for r in regions:
                         for dest in r.copies:
@@ -373,12 +435,17 @@ class ReadPlan:
         return undo
 
     def _batches(
-        self, pending: dict[int, _Pending], verify: bool
-    ) -> Iterator[dict[str, list[Segment]]]:
-        """The reads, planned into batches (file -> segments) as they fill; ``pending``
-        gets what each segment holds. The first batch is FIRST_UNDO_BATCH_BYTES (its undo
-        copy is taken before any read), each next one twice the last."""
-        batch: dict[str, list[Segment]] = {}
+        self,
+        pending: dict[int, _Pending],
+        verify: bool,
+        piece_bytes: int,
+        deferred: Callable[[_Pending], bool],
+    ) -> Iterator[_Batch]:
+        """The reads, planned into batches as they fill; ``pending`` gets what each
+        segment holds. The first batch is FIRST_UNDO_BATCH_BYTES (its undo copy is taken
+        before any read), each next one twice the last; a batch also ends once its new
+        tensors reach three pieces (so it holds at most four)."""
+        batch = _Batch()
         batch_bytes, batches = 0, 0
 
         def reads() -> Iterator[tuple[Segment, _Pending]]:
@@ -394,55 +461,78 @@ class ReadPlan:
                     for chunk in chunks:
                         if skipped and (id(region), chunk.offsets) in skipped:
                             continue
-                        read = self._plan_chunk(entry, chunk, region, verify)
-                        if read is not None:
-                            yield read
+                        yield from self._plan_chunk(entry, chunk, region, verify, piece_bytes)
             for rows in self._rows:
                 yield rows.plan(verify)
 
         for segment, p in reads():
-            if p.chunk.file not in batch:  # checked once per file
+            if p.chunk.file not in batch.segments:  # checked once per file
                 self.ckpt.check_header(p.chunk.file)
-            batch.setdefault(p.chunk.file, []).append(segment)
-            batch_bytes += segment.end - segment.offset
+            batch.segments.setdefault(p.chunk.file, []).append(segment)
+            size = segment.end - segment.offset
+            batch_bytes += size
+            if p.copy is not None and not deferred(p):
+                batch.staged += size
             pending[id(segment)] = p
             doublings = min(batches, 5)  # 8 MiB << 5: UNDO_BATCH_BYTES
-            if batch_bytes >= min(UNDO_BATCH_BYTES, FIRST_UNDO_BATCH_BYTES << doublings):
+            full = batch_bytes >= min(UNDO_BATCH_BYTES, FIRST_UNDO_BATCH_BYTES << doublings)
+            if full or batch.staged >= 3 * piece_bytes:
                 yield batch
-                batch, batch_bytes, batches = {}, 0, batches + 1
-        if batch:
+                batch, batch_bytes, batches = _Batch(), 0, batches + 1
+        if batch.segments:
             yield batch
 
     def _plan_chunk(
-        self, entry: TensorEntry, chunk: Chunk, region: _Region, verify: bool
-    ) -> tuple[Segment, _Pending] | None:
+        self, entry: TensorEntry, chunk: Chunk, region: _Region, verify: bool, piece_bytes: int
+    ) -> Iterator[tuple[Segment, _Pending]]:
+        """The reads of what ``region`` needs of ``chunk``: straight into its memory if
+        it can, else into new tensors of at most about ``piece_bytes`` each (whole
+        checksum blocks), copied into place once verified."""
         t = region.tensor
         live = region.live
         blocks = len(chunk.checksums)
         if chunk.offsets == region.offsets and chunk.shape == t.shape:  # the common case
             if t.is_cpu and t.is_contiguous():
-                return Segment(chunk.begin, flat_bytes(t)), _Pending(
-                    entry, chunk, 0, blocks, None, live
+                yield (
+                    Segment(chunk.begin, flat_bytes(t)),
+                    _Pending(entry, chunk, 0, blocks, None, live),
                 )
+                return
         box = overlap(region.offsets, tuple(t.shape), chunk.offsets, chunk.shape)
         if box is None:
-            return None  # no overlap (or an empty tensor: nothing to read)
+            return  # no overlap (or an empty tensor: nothing to read)
         dst = box_view(t, region.offsets, box)
-        if dst.shape == chunk.shape:  # the whole chunk lands in the region (so does a 0-d one)
-            if dst.is_cpu and dst.is_contiguous():  # e.g. a row shard
-                return Segment(chunk.begin, flat_bytes(dst)), _Pending(
-                    entry, chunk, 0, blocks, None, live
-                )
-            tmp = torch.empty(chunk.shape, dtype=DTYPES[entry.dtype])
-            return Segment(chunk.begin, flat_bytes(tmp)), _Pending(
-                entry, chunk, 0, blocks, (dst, tmp), live
+        if dst.shape == chunk.shape and dst.is_cpu and dst.is_contiguous():  # a row shard
+            yield (
+                Segment(chunk.begin, flat_bytes(dst)),
+                _Pending(entry, chunk, 0, blocks, None, live),
             )
-        # Rows [a, b) of the chunk are needed; verified reads take whole checksum blocks.
+            return
+        if not chunk.shape:  # a 0-d chunk into a strided or GPU destination
+            tmp = torch.empty((), dtype=DTYPES[entry.dtype])
+            yield (
+                Segment(chunk.begin, flat_bytes(tmp)),
+                _Pending(entry, chunk, 0, blocks, (dst, tmp), live),
+            )
+            return
+        # Rows [a, b) of the chunk are needed, read in pieces of whole checksum blocks
+        # so that no load holds more than its host-memory budget in new tensors.
         lo, hi = box
-        rows = ChunkRows(entry, chunk, lo[0] - chunk.offsets[0], hi[0] - chunk.offsets[0])
-        segment, p = rows.plan(verify)
-        p.copy, p.live = (dst, box_view(rows.tensor, rows.origin, box)), live
-        return segment, p
+        a, b = lo[0] - chunk.offsets[0], hi[0] - chunk.offsets[0]
+        step = chunk.block_rows * max(1, piece_bytes // max(chunk.block_rows * chunk.row_bytes, 1))
+        start = a
+        while start < b:
+            # Piece boundaries on block boundaries: no block is read (and hashed) twice.
+            end = min(b, (start // chunk.block_rows) * chunk.block_rows + step)
+            rows = ChunkRows(entry, chunk, start, end)
+            segment, p = rows.plan(verify)
+            piece_lo = (lo[0] + start - a, *lo[1:])
+            piece_hi = (lo[0] + end - a, *hi[1:])
+            piece = (piece_lo, piece_hi)
+            p.copy = (box_view(t, region.offsets, piece), box_view(rows.tensor, rows.origin, piece))
+            p.live = live
+            yield segment, p
+            start = end
 
 
 # Reads go in batches of up to this many bytes, each one's undo copy taken while the

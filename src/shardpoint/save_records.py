@@ -121,7 +121,7 @@ class WriteResult:
 class RankFacts(NamedTuple):
     """What rank 0 plans a save from, per rank, beside its structure (a JSON list)."""
 
-    structure: str | None  # the rank's structure digest (``save_plan.structure_digest``)
+    structure: str | None  # the rank's structure digest (``save_plan._structure_digest``)
     sole_bytes: int  # the bytes only it writes (its shards)
     node: int
     leader: bool  # the first rank of its node
