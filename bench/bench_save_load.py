@@ -35,6 +35,7 @@ import xxhash
 
 import shardpoint
 import shardpoint.storage.direct_io as sp_local
+from shardpoint.staging import SLOT_BYTES, StagingPool
 
 BLOCK = 16 * 1024 * 1024
 
@@ -174,17 +175,33 @@ def contenders(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Callable[.
         st.save_file(state, str(p))
         fsync_all(p)
 
-    def sp_load(direct: bool, atomic: bool = True) -> Callable[[Path, dict], None]:
+    def sp_load(
+        direct: bool, atomic: bool = True, pool: Callable[[], StagingPool] | None = None
+    ) -> Callable[[Path, dict], None]:
         def run(p: Path, dest: dict[str, torch.Tensor]) -> None:
             with direct_io(direct):
-                shardpoint.load(dest, p, atomic=atomic)
+                shardpoint.load(dest, p, atomic=atomic, undo_pool=pool() if pool else None)
 
         return run
+
+    # The undo copy into a staging pool's slots: one made for the load (fresh pages,
+    # faulted in by MAP_POPULATE), or one kept warm, as an async saver's pool is after
+    # its first save (what CheckpointManager.restore lends a load).
+    warm = StagingPool()
+    warm.reserve(-(-nbytes(state) // SLOT_BYTES) + 1)  # outside the timed loads
 
     return {
         "shardpoint": {"save": sp_save(True), "load": sp_load(True)},
         "shardpoint (buffered I/O)": {"save": sp_save(False), "load": sp_load(False)},
         "shardpoint, atomic=False": {"save": sp_save(True), "load": sp_load(True, False)},
+        "shardpoint, undo in new pool": {
+            "save": sp_save(True),
+            "load": sp_load(True, True, StagingPool),
+        },
+        "shardpoint, undo in warm pool": {
+            "save": sp_save(True),
+            "load": sp_load(True, True, lambda: warm),
+        },
         "torch.save/load": {
             "save": torch_save,
             "load": lambda p, dest: memcpy(torch.load(p, weights_only=True), dest),

@@ -55,6 +55,7 @@ GRACE = "tests/test_preemption_grace.py::"
 CAMPAIGN = "tests/test_goodput_campaign.py::"
 ERASURE = "tests/test_memory_erasure.py::"
 LOAD_BUDGET = "tests/test_load_memory_budget.py::"
+UNDO_POOL = "tests/test_load_undo_pool.py::"
 MUTATIONS = [
     Mutation(
         "parity pieces used unchecked",
@@ -280,9 +281,8 @@ MUTATIONS = [
         "undo",
         "a failed load changes nothing",
         "src/shardpoint/loading.py",
-        "        self._saved.append((views, torch.cat(views) if len(views) > 1 else "
-        "views[0].clone()))",
-        "        pass",
+        "            self._saved.append((views, [copy]))\n",
+        "            pass\n",
         (HOSTILE + "test_a_corrupt_second_tensor_leaves_every_tensor_unchanged",),
     ),
     Mutation(
@@ -1544,6 +1544,23 @@ MUTATIONS = [
         "                        p.copy[0].copy_(p.copy[1])\n",
         "                        p.copy[0].copy_(p.copy[1])\n",
         (LOAD_BUDGET + "test_batches_placed_before_a_corrupt_one_are_put_back",),
+    ),
+    Mutation(
+        "undo in pool slots not put back",
+        "a failed load changes nothing (undo copy in a staging pool)",
+        "src/shardpoint/loading.py",
+        "                    live[0].copy_(old[0])\n                    continue\n"
+        "                _scatter(old, live)\n",
+        "                    live[0].copy_(old[0])\n                    continue\n",
+        (UNDO_POOL + "test_a_failed_load_into_pool_slots_puts_every_tensor_back",),
+    ),
+    Mutation(
+        "undo slots kept after the load",
+        "a load hands the slots it borrowed back to the saver's pool",
+        "src/shardpoint/loading.py",
+        "            for slot in self._borrowed:\n                self._pool.release(slot)\n",
+        "            pass\n",
+        (UNDO_POOL + "test_loads_into_a_pool_reuse_its_slots_and_a_save_after_them_too",),
     ),
 ]
 

@@ -18,6 +18,7 @@ their new tensors in host memory until then (``atomic=False`` bounds those too).
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ from .format.index import Chunk, TensorEntry, checksum
 from .format.safetensors import DTYPES
 from .gc_pause import gc_paused
 from .shared_reads import agree, exchange, join_failed, plan_shared_reads
+from .staging import SLOT_BYTES, Slot, StagingPool
 from .storage.io_types import Segment
 from .tensor_kinds import local_part
 from .tensor_memory import box_view, flat_bytes, overlap, plain, same_memory
@@ -53,6 +55,7 @@ def load(
     atomic: bool = True,
     share_reads: bool = False,
     max_host_bytes: int = DEFAULT_LOAD_HOST_BYTES,
+    undo_pool: StagingPool | None = None,
 ) -> None:
     """Load the checkpoint at ``path`` (a directory or an object-store URL) into
     ``state`` in place, all or nothing.
@@ -72,6 +75,10 @@ def load(
     read in place (a reshard, a transposed or other strided destination): about that
     many, on top of the undo copy. Atomic loads onto a GPU are the exception: they hold
     all of theirs until every read is verified (pass ``atomic=False`` to bound them).
+
+    ``undo_pool``: a staging pool (``AsyncSaver.pool``) to take the undo copy into
+    instead of fresh memory; its slots go back to it when the load returns, warm for
+    the next background save. ``CheckpointManager.restore`` passes its saver's.
 
     ``share_reads`` (under ``torch.distributed``; every rank must call ``load`` with
     it): a stored chunk several ranks need — DDP parameters, HSDP replicas of a shard,
@@ -101,7 +108,11 @@ def load(
         if shared is not None and shared.error is not None:
             raise shared.error
         undo = reads.run(
-            threads=threads, verify=verify, atomic=atomic, max_host_bytes=max_host_bytes
+            threads=threads,
+            verify=verify,
+            atomic=atomic,
+            max_host_bytes=max_host_bytes,
+            undo_pool=undo_pool,
         )
     except Exception as exc:
         if shared is None:
@@ -127,6 +138,8 @@ def load(
                     stacklevel=2,
                 )
         raise
+    finally:
+        undo.release()
 
 
 def _prepare(
@@ -321,6 +334,7 @@ class ReadPlan:
         direct: bool = True,
         atomic: bool = False,
         max_host_bytes: int = DEFAULT_LOAD_HOST_BYTES,
+        undo_pool: StagingPool | None = None,
     ) -> Undo:
         """Read, verify and place every region. With ``atomic``, on any error the live
         regions are as before, and on success the returned ``Undo`` can still put them
@@ -361,7 +375,7 @@ class ReadPlan:
                         p.copy[0].copy_(p.copy[1])
                         del pending[id(s)]
 
-        undo = Undo(atomic)
+        undo = Undo(atomic, undo_pool)
         # The undo copy of a batch runs while the batch before it is read, in pieces on
         # up to half the cores: filling fresh memory is what it costs, not the copy,
         # and the other half keep the reads and checksums going.
@@ -417,6 +431,7 @@ class ReadPlan:
             # nothing lands after the undo below.
         except BaseException:
             undo.restore()
+            undo.release()
             raise
         try:
             with torch.no_grad():  # every read is verified: the rest into place
@@ -431,6 +446,7 @@ class ReadPlan:
                             dest.copy_(r.tensor)
         except BaseException:
             undo.restore()
+            undo.release()
             raise
         return undo
 
@@ -549,24 +565,65 @@ class Undo:
 
     Only CPU tensors are kept here (an undo copy of GPU memory would double it); a GPU
     destination is written only after every read is verified (docs/reliability.md).
+
+    The copies go into slots of a staging pool when one is given (``undo_pool``): a
+    background saver's pool is memory its first save would fault in anyway, so the
+    copy costs the load no fresh memory and that save none either. Without one, fresh
+    memory, as ``clone()`` would take.
     """
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, pool: StagingPool | None = None) -> None:
         self.enabled = enabled
-        # (live tensors, one copy of their bytes back to back): small tensors are
-        # copied in batches, so 10,000 of them cost a few tasks, not 10,000.
-        self._saved: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        # (live tensors, their old bytes): one saved tensor of the same shape, or for
+        # flat byte views the parts of one or more buffers that hold them back to back.
+        self._saved: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._pool = pool
+        self._borrowed: list[Slot] = []
+        self._filling: dict[int, tuple[torch.Tensor | None, int]] = {}  # thread -> slot, bytes used
+        self._lock = threading.Lock()
 
     def save(self, tensors: list[torch.Tensor]) -> None:
         if not self.enabled:
             return
         for t in tensors:
-            if t.is_cpu and t.numel():
-                self._saved.append(([t], t.clone(memory_format=torch.preserve_format)))
+            if not (t.is_cpu and t.numel()):
+                continue
+            if self._pool is not None and t.is_contiguous():
+                self._save_flat([flat_bytes(t)])
+            else:
+                self._saved.append(([t], [t.clone(memory_format=torch.preserve_format)]))
 
     def _save_flat(self, views: list[torch.Tensor]) -> None:
-        """Keep the bytes of flat uint8 ``views`` in one tensor."""
-        self._saved.append((views, torch.cat(views) if len(views) > 1 else views[0].clone()))
+        """Keep the bytes of flat uint8 ``views``."""
+        if self._pool is None:
+            copy = torch.cat(views) if len(views) > 1 else views[0].clone()
+            self._saved.append((views, [copy]))
+            return
+        parts = self._take(sum(v.numel() for v in views))
+        with torch.no_grad():
+            _scatter(views, parts)
+        self._saved.append((views, parts))
+
+    def _take(self, nbytes: int) -> list[torch.Tensor]:
+        """Buffers holding ``nbytes`` in all, from the pool's slots: free ones, else new
+        ones faulted in on this (undo) thread, else, at the pool's capacity, fresh
+        memory. Each thread fills a slot of its own, so none waits for another's."""
+        parts = []
+        slot, used = self._filling.get(threading.get_ident(), (None, SLOT_BYTES))
+        while nbytes:
+            if used == SLOT_BYTES:
+                new = self._pool.acquire_or_grow() if self._pool is not None else None
+                if new is None:
+                    parts.append(torch.empty(nbytes, dtype=torch.uint8))
+                    break
+                with self._lock:
+                    self._borrowed.append(new)
+                slot, used = new.data, 0
+            n = min(nbytes, SLOT_BYTES - used)
+            parts.append(slot[used : used + n])
+            used, nbytes = used + n, nbytes - n
+        self._filling[threading.get_ident()] = (slot, used)
+        return parts
 
     def save_ahead(self, pool: ThreadPoolExecutor, tensors: list[torch.Tensor]) -> list[Future]:
         """Save ``tensors`` (flat byte views) on ``pool``, in tasks of about
@@ -591,13 +648,33 @@ class Undo:
     def restore(self) -> None:
         with torch.no_grad():
             for live, old in reversed(self._saved):
-                if len(live) == 1:  # the copy has the live tensor's shape
-                    live[0].copy_(old)
+                if len(live) == 1 and len(old) == 1 and live[0].shape == old[0].shape:
+                    live[0].copy_(old[0])
                     continue
-                at = 0
-                for t in live:
-                    t.copy_(old[at : at + t.numel()])
-                    at += t.numel()
+                _scatter(old, live)
+
+    def release(self) -> None:
+        """Hand the borrowed slots back to their pool: the load is over."""
+        self._saved.clear()
+        if self._pool is not None:
+            for slot in self._borrowed:
+                self._pool.release(slot)
+        self._borrowed.clear()
+        self._filling.clear()
+
+
+def _scatter(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+    """Copy the bytes of flat ``sources`` back to back into flat ``targets``."""
+    si = ti = s_at = t_at = 0
+    while si < len(sources) and ti < len(targets):
+        src, dst = sources[si], targets[ti]
+        n = min(src.numel() - s_at, dst.numel() - t_at)
+        dst[t_at : t_at + n].copy_(src[s_at : s_at + n])
+        s_at, t_at = s_at + n, t_at + n
+        if s_at == src.numel():
+            si, s_at = si + 1, 0
+        if t_at == dst.numel():
+            ti, t_at = ti + 1, 0
 
 
 def _verify_blocks(ckpt: CommittedCheckpoint, p: _Pending, segment: Segment) -> None:

@@ -82,6 +82,19 @@ class StagingPool:
         """A free slot; blocks until a writer hands one back."""
         return self._free.get()
 
+    def acquire_or_grow(self) -> Slot | None:
+        """A free slot, else a new one while the pool is under its capacity (allocated
+        on the caller's thread), else None at once."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if self.capacity_slots is not None and self._count >= self.capacity_slots:
+                return None
+            self._count += 1
+        return _allocate_slot(self.pinned)
+
     def release(self, slot: Slot) -> None:
         self._free.put(slot)
 

@@ -143,7 +143,6 @@ class CheckpointManager:
             if memory
             else None
         )
-        self.restorer = Restorer(self.tier, self.remote, self.memory, io, self.events)
         self.housekeeping = Housekeeping(
             self.tier,
             self.remote,
@@ -164,6 +163,16 @@ class CheckpointManager:
             )
             if asynchronous is not None
             else None
+        )
+        # A restore's undo copy borrows the saver's staging pool: memory the first
+        # background save would fault in anyway, handed back warm when the load is over.
+        self.restorer = Restorer(
+            self.tier,
+            self.remote,
+            self.memory,
+            io,
+            self.events,
+            undo_pool=self._saver.pool if self._saver is not None else None,
         )
         # Incremental saves refer to the unchanged chunks of the newest checkpoint this
         # process saved (incremental.py); the first save after a start writes all.

@@ -428,7 +428,7 @@ class MemoryTier:
         self.lost = self._role.get("lost")
         return self._role["step"]
 
-    def restore(self, state: Any, step: int) -> None:
+    def restore(self, state: Any, step: int, *, undo_pool: StagingPool | None = None) -> None:
         """Collective: load ``step`` (the one ``newest_step`` agreed on) from memory; ranks
         without their own copy receive it from a buddy, or rebuild it from their parity
         group's pieces (``rebuilt``), first. Raises (on every rank) if
@@ -509,7 +509,7 @@ class MemoryTier:
             if meta != self._identity(step)["memory_tier"]:
                 raise CorruptCheckpointError(f"{self.own_dir(step)}: belongs to {meta}")
             with dist.solo():
-                load(state, self.own_dir(step))
+                load(state, self.own_dir(step), undo_pool=undo_pool)
         except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
             mine = exc
         except StateMismatchError as exc:

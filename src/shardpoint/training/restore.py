@@ -23,6 +23,7 @@ from ..errors import (
 )
 from ..loading import load
 from ..shared_reads import join_failed
+from ..staging import StagingPool
 from ..storage.layered import LayeredCheckpoint
 from .events import EventLog
 from .memory_tier import MemoryTier
@@ -60,7 +61,10 @@ class Restorer:
         memory: MemoryTier | None,
         io: IOOptions,
         events: EventLog,
+        *,
+        undo_pool: StagingPool | None = None,
     ) -> None:
+        self.undo_pool = undo_pool  # where a load's undo copy goes (loading.Undo)
         self.tier = tier
         self.remote = remote
         self.memory = memory
@@ -133,7 +137,7 @@ class Restorer:
         assert self.memory is not None
         start = time.perf_counter()
         try:
-            self.memory.restore(state, step)
+            self.memory.restore(state, step, undo_pool=self.undo_pool)
         except CorruptCheckpointError as exc:  # every rank gets it: the tier agrees
             warnings.warn(f"{exc}; restoring from storage instead", stacklevel=4)
             self.events.log("fallback", step=step, tier="memory", error=str(exc))
@@ -187,6 +191,7 @@ class Restorer:
                 verify=self.io.verify == "full",
                 threads=self.io.threads,
                 share_reads=share,
+                undo_pool=self.undo_pool,
             )
         except StateMismatchError as exc:
             mine, kind = exc, _MISMATCH
