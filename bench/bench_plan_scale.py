@@ -138,14 +138,15 @@ def _real_dtensor_child(name: str, ranks: int, params: int) -> None:
     built = time.perf_counter() - start
     times = []
     for _ in range(2):  # the first save also reads each mesh's ranks once
-        start = time.perf_counter()
-        flat = flatten(state, rank=1)
-        held, aliases, _, _ = save_plan._holdings(
-            flat.tensors, True, flat.rank_tensors, with_tokens=False
-        )
-        save_plan._structure_digest(held, aliases)
-        save_plan._digest(save_plan._sharded_entries(held))
-        times.append(time.perf_counter() - start)
+        with gc_paused():  # as inside save()
+            start = time.perf_counter()
+            flat = flatten(state, rank=1)
+            held, aliases, _, _ = save_plan._holdings(
+                flat.tensors, True, flat.rank_tensors, with_tokens=False
+            )
+            save_plan._structure_digest(held, aliases)
+            save_plan._digest(save_plan._sharded_entries(held))
+            times.append(time.perf_counter() - start)
     assert sum(1 for h in held if h.sharding is not None) == params
     load_s = _real_load_plan(state, sharding, shape)
     print(
@@ -220,13 +221,15 @@ def v2_case(name: str, ranks: int, params: int) -> dict[str, float]:
     sharding, shape = layout(name, ranks, params)
     out: dict[str, float] = {}
 
-    # Each rank's save planning (rank 1 stands for any rank).
-    start = time.perf_counter()
-    held = holdings_of(1, params, sharding, shape)
-    own = save_plan._structure_digest(held, {})
-    sharded = save_plan._sharded_entries(held)
-    listed = save_plan._digest(sharded)
-    out["save_plan_steady_s"] = time.perf_counter() - start  # a reused plan: nothing more
+    # Each rank's save planning (rank 1 stands for any rank), with the collector paused
+    # as inside save(): a collection of this process's large heap is not the planner's.
+    with gc_paused():
+        start = time.perf_counter()
+        held = holdings_of(1, params, sharding, shape)
+        own = save_plan._structure_digest(held, {})
+        sharded = save_plan._sharded_entries(held)
+        listed = save_plan._digest(sharded)
+        out["save_plan_steady_s"] = time.perf_counter() - start  # a reused plan: no more
     # On a structure change rank 0 plans from every rank's facts and one distinct
     # structure (every rank's is the same here), and each rank decodes its part.
     norms = [h for h in held if h.replicated]
@@ -235,14 +238,16 @@ def v2_case(name: str, ranks: int, params: int) -> dict[str, float]:
         json.dumps({"replicated": [h.to_json() for h in norms], "aliases": {}, "sharded": sharded})
     )
     gathered = [([own, sole, r // 8, r % 8 == 0], structure) for r in range(ranks)]
-    start = time.perf_counter()
-    job = save_plan._plan_job(gathered, False)
-    out["save_replan_rank0_s"] = time.perf_counter() - start
+    with gc_paused():
+        start = time.perf_counter()
+        job = save_plan._plan_job(gathered, False)
+        out["save_replan_rank0_s"] = time.perf_counter() - start
     assert job.conflict is None and len(job.table) == params
     out["save_replan_part_bytes"] = max(len(json.dumps(p)) for p in job.parts)
-    start = time.perf_counter()  # per-node mode (8 ranks per node): a plan per node
-    save_plan._plan_job(gathered, True)
-    out["save_replan_per_node_rank0_s"] = time.perf_counter() - start
+    with gc_paused():
+        start = time.perf_counter()  # per-node mode (8 ranks per node): a plan per node
+        save_plan._plan_job(gathered, True)
+        out["save_replan_per_node_rank0_s"] = time.perf_counter() - start
     table = job.table
     out["structure_list_digest"] = len(listed)
 
