@@ -364,16 +364,23 @@ class ReadPlan:
             assert p.copy is not None
             return atomic and p.live and not p.copy[0].is_cpu
 
+        later: list[_Pending] = []  # deferred copies, made once every read is verified
+
         def place(batch: _Batch) -> None:
-            """Copy a verified batch's new tensors into place and let them go."""
+            """Copy a verified batch's new tensors into place and let them go. Its
+            segments leave ``pending`` here: once the batch is dropped, their ids may
+            be those of segments planned later."""
             with torch.no_grad():
                 for s in (s for ss in batch.segments.values() for s in ss):
-                    p = pending[id(s)]
-                    if p.copy is not None and not deferred(p):
-                        if p.live:
-                            undo.save([p.copy[0]])
-                        p.copy[0].copy_(p.copy[1])
-                        del pending[id(s)]
+                    p = pending.pop(id(s))
+                    if p.copy is None:
+                        continue
+                    if deferred(p):
+                        later.append(p)
+                        continue
+                    if p.live:
+                        undo.save([p.copy[0]])
+                    p.copy[0].copy_(p.copy[1])
 
         undo = Undo(atomic, undo_pool)
         # The undo copy of a batch runs while the batch before it is read, in pieces on
@@ -435,9 +442,8 @@ class ReadPlan:
             raise
         try:
             with torch.no_grad():  # every read is verified: the rest into place
-                for p in pending.values():
-                    if p.copy is not None:
-                        p.copy[0].copy_(p.copy[1])  # deferred: off the CPU, no undo copy
+                for p in later:
+                    p.copy[0].copy_(p.copy[1])  # off the CPU: no undo copy
                 for regions in self.regions.values():
                     for r in regions:
                         for dest in r.copies:
