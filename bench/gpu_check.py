@@ -9,7 +9,8 @@ Checks (each one is independent: one that raises is recorded and the rest still 
                   the persist time; the live tensors are overwritten as soon as the call
                   returns and the checkpoint must still hold the old values, bit-exact.
   sync_roundtrip  ``shardpoint.save`` then ``shardpoint.load`` into fresh CUDA tensors and
-                  into fresh CPU tensors: bit-exact, GB/s both ways.
+                  into fresh CPU tensors: bit-exact, GB/s both ways; then 10,000 small
+                  tensors loaded into CUDA, bit-exact (a load planned in many batches).
   cuda_rng        the RNG streams captured by ``capture_rng`` / ``TrainState`` restore the
                   CUDA generator: the same draws again, also after a save, a reseed and a
                   load in the same process.
@@ -350,6 +351,25 @@ def check_sync_roundtrip(args: argparse.Namespace, root: Path) -> Figures:
             problems.append(f"loaded into {where}: tensors moved device: {wrong_device}")
         del dest
     shutil.rmtree(path)
+
+    # Many small tensors (an optimizer state's shape): the load plans long after its
+    # first batches are read, the case that once left GPU destinations unwritten.
+    g = torch.Generator(device=device).manual_seed(3)
+    many = {
+        f"opt.{i}": torch.randn(256 + (i % 64) * 64, generator=g, device=device)
+        for i in range(10_000)
+    }
+    shardpoint.save(many, root / "many")
+    dest = fresh_like(many, device)
+    sync(device)
+    start = time.perf_counter()
+    shardpoint.load(dest, root / "many")
+    sync(device)
+    fig["load_10k_small_s"] = time.perf_counter() - start
+    bad = mismatches(dest, many)
+    if bad:
+        problems.append(f"10,000 small tensors loaded into {device}: values differ: {bad}")
+    shutil.rmtree(root / "many")
     return _result(fig, problems)
 
 
