@@ -631,11 +631,12 @@ class Undo:
         """Buffers holding ``nbytes`` in all, from the pool's slots: free ones, else new
         ones faulted in on this (undo) thread, else, at the pool's capacity, fresh
         memory. Each thread fills a slot of its own, so none waits for another's."""
+        assert self._pool is not None
         parts = []
         slot, used = self._filling.get(threading.get_ident(), (None, SLOT_BYTES))
         while nbytes:
             if used == SLOT_BYTES:
-                new = self._pool.acquire_or_grow() if self._pool is not None else None
+                new = self._pool.acquire_or_grow()
                 if new is None:
                     parts.append(torch.empty(nbytes, dtype=torch.uint8))
                     break
